@@ -1,0 +1,34 @@
+"""fxzero: ZeRO-1 distributed-optimizer training (Megatron-LM's distributed optimizer)
+as a torch.compile backend.
+
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
+"""
+
+from .config import Config, default_bucket_size
+from .runtime import (
+    Bucket,
+    BucketPlan,
+    BufferPlan,
+    DistributedOptimizer,
+    Fragment,
+    ParamAndGradBuffer,
+    StepResult,
+    plan_buckets,
+    shard_buffer,
+    shard_fragments,
+)
+
+__all__ = [
+    "Bucket",
+    "BucketPlan",
+    "BufferPlan",
+    "Config",
+    "DistributedOptimizer",
+    "Fragment",
+    "ParamAndGradBuffer",
+    "StepResult",
+    "default_bucket_size",
+    "plan_buckets",
+    "shard_buffer",
+    "shard_fragments",
+]

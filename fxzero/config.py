@@ -1,0 +1,80 @@
+"""fxzero's one configuration object.
+
+Every option is resolved here, once, at construction: the runtime receives plain
+values (a bucket size, a divisor, a dtype) and never re-reads flags on the step path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal, Optional, Union
+
+import torch
+
+__all__ = ["Config", "default_bucket_size"]
+
+_GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def default_bucket_size(dp_size: int) -> int:
+    """Megatron-LM's default bucket size in elements: ``max(40e6, 1e6 * dp_size)``.
+
+    Larger data-parallel groups get larger buckets so that each rank's shard of a
+    bucket (bucket / dp) does not shrink below the size where collectives are efficient.
+    """
+    return max(40_000_000, 1_000_000 * dp_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Options of :class:`fxzero.DistributedOptimizer` (and, later, the compiler passes)."""
+
+    bucket_size: Union[int, Literal["auto"], None] = "auto"
+    """Elements per gradient bucket before it closes. ``"auto"`` is Megatron's default,
+    ``max(40_000_000, 1_000_000 * dp_size)``; ``None`` puts every param of a dtype group
+    in one bucket. Smaller buckets start reduce-scatters earlier in backward (more
+    overlap) at the cost of more, smaller collectives."""
+
+    pad_for_high_busbw: bool = False
+    """Pad every bucket to a multiple of ``lcm(dp, 128, 2**16)`` instead of
+    ``lcm(dp, 128)``, so each rank's shard is a multiple of 2^16 elements, which NCCL's
+    ring algorithms need for full bus bandwidth at large dp. Costs padding memory."""
+
+    grad_dtype: Optional[torch.dtype] = torch.float32
+    """dtype of the flat gradient buffer (``main_grad``). ``None`` means the param's own
+    dtype. fp32 (the default) accumulates and reduces gradients without rounding loss;
+    bf16/fp16 halve the reduce-scatter bytes."""
+
+    clip_grad: Optional[float] = None
+    """Clip gradients to this global L2 norm (over all ranks' shards, padding excluded,
+    one all-reduce), with the same formula as ``torch.nn.utils.clip_grad_norm_``.
+    ``None`` disables clipping; the norm is still computed and reported by ``step()``."""
+
+    def __post_init__(self) -> None:
+        _check_bucket_size(self.bucket_size)
+        if not isinstance(self.pad_for_high_busbw, bool):
+            raise TypeError(f"Config.pad_for_high_busbw must be a bool, got {self.pad_for_high_busbw!r}")
+        if self.grad_dtype is not None and self.grad_dtype not in _GRAD_DTYPES:
+            raise ValueError(
+                f"Config.grad_dtype must be one of {_GRAD_DTYPES} or None (the param dtype), "
+                f"got {self.grad_dtype!r}"
+            )
+        if self.clip_grad is not None:
+            if isinstance(self.clip_grad, bool) or not isinstance(self.clip_grad, (int, float)):
+                raise TypeError(f"Config.clip_grad must be a positive number or None, got {self.clip_grad!r}")
+            if not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
+                raise ValueError(f"Config.clip_grad must be a finite number > 0, got {self.clip_grad!r}")
+
+    def resolved_bucket_size(self, dp_size: int) -> Optional[int]:
+        """The bucket size in elements for a data-parallel group of ``dp_size`` ranks."""
+        return default_bucket_size(dp_size) if self.bucket_size == "auto" else self.bucket_size
+
+
+def _check_bucket_size(value: object) -> None:
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"Config.bucket_size must be an int > 0, 'auto' or None, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"Config.bucket_size must be > 0 elements (or 'auto' / None), got {value}")

@@ -1,0 +1,314 @@
+"""ZeRO-1 distributed optimizer over flat, bucketed param/grad buffers.
+
+A step has three communication phases, all on buffers laid out once at construction:
+
+1. **reduce-scatter** (started during backward by :class:`~fxzero.runtime.grad_sync.GradSync`,
+   finished at the top of :meth:`DistributedOptimizer.step`): each bucket's ``grad_data``
+   is averaged over ranks into this rank's pre-made shard view of it;
+2. **shard update**: one small all-reduce carries the squared grad norm of this rank's
+   fragments plus a per-param "got a gradient" flag; then the wrapped ``torch.optim``
+   optimizer updates the fp32 main fragments of this rank's shards only (1/dp of the
+   optimizer state per rank), skipping params that got no gradient on any rank and the
+   whole update when the global norm is not finite;
+3. **all-gather**: each bucket's updated param shard is gathered back in place into
+   ``param_data``, which the model's params are views of.
+
+Padding exists so every bucket splits into dp equal, aligned shards; it is zero in both
+buffers, is never handed to the wrapped optimizer, and is excluded from the norm.
+At world size 1 no collective is issued.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import weakref
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+from ..config import Config
+from .buffers import ParamAndGradBuffer
+from .comm import DataParallelGroup
+from .grad_sync import GradSync
+from .layout import plan_buckets
+from .shards import build_shards
+from .validation import check_group_keys, check_managed_params, check_optimizer_kwargs
+
+__all__ = ["DistributedOptimizer", "StepResult"]
+
+_STATE_FORMAT = "fxzero.DistributedOptimizer/1"
+
+
+@dataclasses.dataclass(frozen=True)
+class StepResult:
+    """What :meth:`DistributedOptimizer.step` did."""
+
+    skipped: bool
+    """True when the update was skipped because the global gradient norm was not finite."""
+    grad_norm: float
+    """Global L2 norm of the averaged gradients, before clipping."""
+    loss: Any = None
+    """The closure's return value, if a closure was given."""
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Shard ``optimizer_class``'s state over a data-parallel group (ZeRO-1).
+
+    ``params`` and ``**defaults`` follow ``torch.optim`` conventions (param-group dicts
+    with their own hyperparameters, ``named_parameters()`` pairs). ``param_groups``
+    holds the model's params and is what LR schedulers edit; the values are copied
+    to the wrapped per-rank optimizer at every step.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        process_group: Optional[dist.ProcessGroup] = None,
+        config: Optional[Config] = None,
+        **defaults: Any,
+    ) -> None:
+        self.config = config if config is not None else Config()
+        if not isinstance(self.config, Config):
+            raise TypeError(f"config must be a fxzero.Config, got {type(self.config).__name__}")
+        self.dp = DataParallelGroup.resolve(process_group)
+        self._constructing = True
+        super().__init__(params, defaults={})
+        self._constructing = False
+        self._kwargs = dict(defaults)
+        self.defaults = check_optimizer_kwargs(optimizer_class, defaults)
+        check_group_keys(self.param_groups, self.defaults, optimizer_class)
+        for group in self.param_groups:
+            for name, value in self.defaults.items():
+                group.setdefault(name, value)
+        self.params = check_managed_params(self.param_groups)
+        self.optimizer_class = optimizer_class
+        self._build_runtime()
+
+    # ---- construction -----------------------------------------------------------
+    def _build_runtime(self) -> None:
+        slot_of = {id(p): slot for slot, p in enumerate(self.params)}
+        self.buffers = self._build_buffers()
+        self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
+        self.grad_sync = GradSync(self.buckets, self.params, self.dp)
+        self.shards, self.fragments = build_shards(self.buffers, slot_of, self.dp.rank)
+        self.local = self._build_local_optimizer(slot_of)
+        for slot, param in enumerate(self.params):
+            param._fxzero_owner = weakref.ref(self)
+            param._fxzero_slot = slot
+        self.grad_sync.install_hooks()
+        self._fragments_of_slot: list[list[Any]] = [[] for _ in self.params]
+        for frag in self.fragments:
+            self._fragments_of_slot[frag.slot].append(frag)
+        self._fragment_grads = [f.grad for f in self.fragments]
+        self._stats = torch.zeros(len(self.params) + 1, dtype=torch.float64, device=self.params[0].device)
+        self._presence = torch.frombuffer(self.grad_sync.presence, dtype=torch.uint8)
+        self._gathers: list[Optional[dist.Work]] = [None] * len(self.buckets)
+
+    def _build_buffers(self) -> tuple[ParamAndGradBuffer, ...]:
+        """One buffer per (param dtype, grad dtype), in order of first appearance."""
+        groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for param in self.params:
+            groups.setdefault(param.dtype, []).append(param)
+        bucket_size = self.config.resolved_bucket_size(self.dp.size)
+        buffers, first = [], 0
+        for params in groups.values():
+            plan = plan_buckets(
+                params, dp_size=self.dp.size, bucket_size=bucket_size, pad_for_high_busbw=self.config.pad_for_high_busbw
+            )
+            buffers.append(ParamAndGradBuffer(params, plan, grad_dtype=self.config.grad_dtype, first_bucket_index=first))
+            first += len(plan.buckets)
+        return tuple(buffers)
+
+    def _build_local_optimizer(self, slot_of: dict[int, int]) -> torch.optim.Optimizer:
+        group_of_slot = {slot_of[id(p)]: g for g, group in enumerate(self.param_groups) for p in group["params"]}
+        local_groups = [_hyperparameters(group) | {"params": []} for group in self.param_groups]
+        for frag in self.fragments:
+            local_groups[group_of_slot[frag.slot]]["params"].append(frag.param)
+        return self.optimizer_class(local_groups, **self._kwargs)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if not getattr(self, "_constructing", True):
+            raise NotImplementedError(
+                "fxzero.DistributedOptimizer lays out its buffers once; add_param_group after "
+                "construction is not supported. Create a new optimizer with all param groups."
+            )
+        _check_leaves(param_group, len(self.param_groups))
+        super().add_param_group(param_group)
+
+    # ---- the step ---------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> StepResult:  # type: ignore[override]
+        """Finish grad reduce-scatters, update this rank's shards, gather params."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self.grad_sync.finish()
+        for shard in self.shards:
+            if not shard.main_grad_is_grad:
+                shard.main_grad.copy_(shard.bucket.grad_shards[self.dp.rank])
+        norm = self._reduce_stats()
+        self.grad_sync.reset()
+        if not torch.isfinite(norm):
+            return StepResult(skipped=True, grad_norm=float(norm), loss=loss)
+        self._clip(norm)
+        self._sync_hyperparameters()
+        with self._absent_grads_hidden():
+            self.local.step()
+        self._write_back_and_gather()
+        return StepResult(skipped=False, grad_norm=float(norm), loss=loss)
+
+    def _reduce_stats(self) -> torch.Tensor:
+        """One all-reduce: per-param presence flags and the squared norm of our fragments."""
+        stats = self._stats
+        stats[:-1].copy_(self._presence)
+        if self._fragment_grads:
+            norms = torch._foreach_norm(self._fragment_grads, 2, dtype=torch.float64)
+            stats[-1] = torch.stack(norms).square().sum()
+        else:
+            stats[-1] = 0.0
+        self.dp.all_reduce_sum(stats)
+        return stats[-1].sqrt()
+
+    def _clip(self, norm: torch.Tensor) -> None:
+        if self.config.clip_grad is None:
+            return
+        coef = self.config.clip_grad / (float(norm) + 1e-6)
+        if coef < 1.0:
+            torch._foreach_mul_([s.main_grad for s in self.shards], coef)
+
+    def _sync_hyperparameters(self) -> None:
+        """Copy (possibly scheduler-edited) hyperparameters to the wrapped optimizer."""
+        for group, local in zip(self.param_groups, self.local.param_groups):
+            for name in self.defaults:
+                local[name] = group[name]
+
+    @contextlib.contextmanager
+    def _absent_grads_hidden(self) -> Iterator[None]:
+        """Give fragments of params that got no gradient on any rank ``grad=None``, as
+        torch.optim expects, so zeros in the flat buffer never decay or move them."""
+        absent = (self._stats[:-1] == 0).nonzero().flatten().tolist() if not bool(self._stats[:-1].all()) else []
+        hidden = [frag for slot in absent for frag in self._fragments_of_slot[slot]]
+        for frag in hidden:
+            frag.param.grad = None
+        try:
+            yield
+        finally:
+            for frag in hidden:
+                frag.param.grad = frag.grad
+
+    def _write_back_and_gather(self) -> None:
+        for shard in self.shards:
+            if not shard.main_is_param:
+                shard.bucket.param_shards[self.dp.rank].copy_(shard.main)
+        self.start_param_sync()
+        self.finish_param_sync()
+
+    def start_param_sync(self) -> None:
+        """Launch every bucket's param all-gather from its pre-made shard view."""
+        if self.dp.size == 1:
+            return
+        for bucket in self.buckets:
+            self._gathers[bucket.index] = self.dp.all_gather_async(bucket.param_data, bucket.param_shards[self.dp.rank])
+
+    def finish_param_sync(self) -> None:
+        """Wait for every in-flight param all-gather (params are current afterwards)."""
+        for index, work in enumerate(self._gathers):
+            if work is not None:
+                work.wait()
+                self._gathers[index] = None
+
+    # ---- gradient accumulation and zeroing --------------------------------------
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """Context manager for all but the last microbatch: grads accumulate into
+        ``main_grad`` and no reduce-scatter is launched."""
+        return self.grad_sync.no_sync()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the flat grad buffers (``main_grad``). Managed params' ``.grad`` is always
+        ``None`` (gradients live in ``main_grad``), so ``set_to_none`` changes nothing."""
+        self.grad_sync.finish_launched()
+        for buffer in self.buffers:
+            buffer.grad_data.zero_()
+        self.grad_sync.reset()
+
+    # ---- state ------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, for a resume at the same world size and layout."""
+        self.finish_param_sync()
+        return {
+            "format": _STATE_FORMAT,
+            "world_size": self.dp.size,
+            "rank": self.dp.rank,
+            "layout": self._layout_key(),
+            "param_groups": [_hyperparameters(g) for g in self.param_groups],
+            "local": self.local.state_dict(),
+            "main_shards": [s.main for s in self.shards if not s.main_is_param],
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        _check_state_dict(state_dict, self)
+        self.local.load_state_dict(state_dict["local"])
+        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+            group.update(saved)
+        separate = [s for s in self.shards if not s.main_is_param]
+        for shard, saved in zip(separate, state_dict["main_shards"]):
+            shard.main.copy_(saved)
+            shard.bucket.param_shards[self.dp.rank].copy_(shard.main)
+        self.start_param_sync()
+        self.finish_param_sync()
+
+    def _layout_key(self) -> list[tuple[str, int, list[tuple[int, int]]]]:
+        return [
+            (str(b.param_dtype), b.plan.numel, [(s.start, s.end) for s in b.plan.buckets]) for b in self.buffers
+        ]
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: wrapped-optimizer state + separate fp32 mains."""
+        total = sum(s.main.nbytes for s in self.shards if not s.main_is_param)
+        for per_param in self.local.state.values():
+            total += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
+        return total
+
+
+def _check_leaves(group: dict[str, Any], group_index: int) -> None:
+    """Run before torch.optim's own check so the error names the param."""
+    if not isinstance(group, dict) or "params" not in group:
+        return
+    params = group["params"]
+    if isinstance(params, (torch.Tensor, tuple)):
+        params = [params]
+    group["params"] = params = list(params) if not isinstance(params, set) else params
+    for index, item in enumerate(params):
+        name, param = item if isinstance(item, tuple) else (None, item)
+        where = f"param {name!r}" if name else f"param_groups[{group_index}]['params'][{index}]"
+        if isinstance(param, torch.Tensor) and not param.is_leaf:
+            raise ValueError(f"{where} (shape {tuple(param.shape)}) is not a leaf tensor; an optimizer can only own leaf params")
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def _check_state_dict(state_dict: dict[str, Any], opt: DistributedOptimizer) -> None:
+    if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
+        raise ValueError(f"load_state_dict: not a {_STATE_FORMAT} state dict")
+    if state_dict["world_size"] != opt.dp.size or state_dict["rank"] != opt.dp.rank:
+        raise ValueError(
+            f"load_state_dict: saved on rank {state_dict['rank']} of {state_dict['world_size']}, "
+            f"loading on rank {opt.dp.rank} of {opt.dp.size}; same-world-size resume only"
+        )
+    if state_dict["layout"] != opt._layout_key():
+        raise ValueError(
+            f"load_state_dict: bucket layout differs (saved {state_dict['layout']}, current {opt._layout_key()}); "
+            "use the same params, bucket_size and padding as when saving"
+        )
+    if len(state_dict["param_groups"]) != len(opt.param_groups):
+        raise ValueError(
+            f"load_state_dict: {len(state_dict['param_groups'])} saved param groups, optimizer has {len(opt.param_groups)}"
+        )

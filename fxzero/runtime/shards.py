@@ -1,0 +1,79 @@
+"""This rank's fp32 main shards and the per-fragment tensors the wrapped optimizer sees.
+
+For each bucket, a rank owns one contiguous shard. :class:`BucketShard` holds:
+
+* ``main`` - fp32 master values of the shard. For fp32 params it *is* the param
+  buffer's shard view (no copy, no copy-back); for bf16/fp16 params it is a separate
+  fp32 tensor that is written back into the param shard after every update.
+* ``main_grad`` - fp32 gradients of the shard. For an fp32 grad buffer it *is* the grad
+  buffer's shard view, the reduce-scatter's output; otherwise an fp32 copy.
+
+The wrapped ``torch.optim`` optimizer gets one tensor per :class:`~fxzero.runtime.layout.Fragment`
+(a view of ``main``) whose ``.grad`` is the matching view of ``main_grad``: its state
+(moments, step counts) exists only for this rank's 1/dp of every param.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import torch
+
+from .buffers import Bucket, ParamAndGradBuffer
+from .layout import shard_fragments
+
+__all__ = ["BucketShard", "FragmentTensor", "build_shards"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class BucketShard:
+    bucket: Bucket
+    main: torch.Tensor
+    main_grad: torch.Tensor
+    main_is_param: bool
+    """True when ``main`` aliases the param shard (fp32 params): nothing to copy back."""
+    main_grad_is_grad: bool
+    """True when ``main_grad`` aliases the reduce-scatter output (fp32 grads)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FragmentTensor:
+    """A fragment as the wrapped optimizer sees it: a leaf view and its grad view."""
+
+    slot: int
+    """Index of the owning param among the optimizer's managed params."""
+    param: torch.Tensor
+    grad: torch.Tensor
+
+
+def _bucket_shard(bucket: Bucket, rank: int) -> BucketShard:
+    param_shard, grad_shard = bucket.param_shards[rank], bucket.grad_shards[rank]
+    main_is_param = param_shard.dtype == torch.float32
+    main_grad_is_grad = grad_shard.dtype == torch.float32
+    return BucketShard(
+        bucket=bucket,
+        main=param_shard if main_is_param else param_shard.detach().float(),
+        main_grad=grad_shard if main_grad_is_grad else torch.zeros_like(grad_shard, dtype=torch.float32),
+        main_is_param=main_is_param,
+        main_grad_is_grad=main_grad_is_grad,
+    )
+
+
+def build_shards(
+    buffers: Sequence[ParamAndGradBuffer], slot_of: dict[int, int], rank: int
+) -> tuple[tuple[BucketShard, ...], tuple[FragmentTensor, ...]]:
+    """Make this rank's bucket shards and fragment tensors, in bucket order."""
+    shards: list[BucketShard] = []
+    fragments: list[FragmentTensor] = []
+    for buffer in buffers:
+        local = [_bucket_shard(bucket, rank) for bucket in buffer.buckets]
+        shards.extend(local)
+        for frag in shard_fragments(buffer.plan, rank):
+            shard = local[frag.bucket_id]
+            lo, hi = frag.shard_offset, frag.shard_offset + frag.numel
+            slot = slot_of[id(buffer.params[frag.param_index])]
+            view = shard.main[lo:hi]
+            view.grad = shard.main_grad[lo:hi]
+            fragments.append(FragmentTensor(slot, view, view.grad))
+    return tuple(shards), tuple(fragments)

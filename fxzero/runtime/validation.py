@@ -1,0 +1,80 @@
+"""Checks on what users hand to :class:`~fxzero.runtime.optimizer.DistributedOptimizer`.
+
+All of them run before any param is touched, and each error names the param, group
+or keyword at fault, so a bad call leaves the model exactly as it was.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+__all__ = ["check_group_keys", "check_managed_params", "check_optimizer_kwargs"]
+
+_GROUP_KEYS = ("params", "param_names")
+
+
+def check_optimizer_kwargs(optimizer_class: type, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Build ``optimizer_class`` once on a probe tensor: unknown or invalid keyword
+    arguments fail here, with the optimizer's own message, and its full defaults come back."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    try:
+        probe = optimizer_class([torch.zeros(1)], **kwargs)
+    except TypeError as error:
+        raise TypeError(f"{optimizer_class.__name__} rejected keyword arguments {sorted(kwargs)}: {error}") from error
+    except ValueError as error:
+        raise ValueError(f"{optimizer_class.__name__} rejected keyword arguments {kwargs}: {error}") from error
+    return dict(probe.defaults)
+
+
+def check_group_keys(groups: Sequence[dict[str, Any]], defaults: dict[str, Any], optimizer_class: type) -> None:
+    """torch.optim silently keeps unknown group keys (a typo'd ``weight_decay`` would do
+    nothing); fxzero refuses them."""
+    for index, group in enumerate(groups):
+        unknown = sorted(set(group) - set(defaults) - set(_GROUP_KEYS))
+        if unknown:
+            raise ValueError(
+                f"param_groups[{index}] has option(s) {unknown} that {optimizer_class.__name__} does not take; "
+                f"known options: {sorted(defaults)}"
+            )
+
+
+def describe_param(group_index: int, index: int, group: dict[str, Any]) -> str:
+    names = group.get("param_names")
+    param = group["params"][index]
+    if names:
+        return f"param {names[index]!r} (shape {tuple(param.shape)})"
+    return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)})"
+
+
+def _check_param(param: torch.Tensor, where: str, device: torch.device) -> None:
+    if not param.is_leaf:
+        raise ValueError(f"{where} is not a leaf tensor; an optimizer can only own leaf params")
+    if not param.requires_grad:
+        raise ValueError(f"{where} has requires_grad=False; frozen params must not be passed to DistributedOptimizer")
+    if not param.is_floating_point():
+        raise ValueError(f"{where} has dtype {param.dtype}; only floating-point params can be optimized")
+    if param.is_sparse or param.layout != torch.strided:
+        raise ValueError(f"{where} has layout {param.layout}; only dense (strided) params are supported")
+    if param.device != device:
+        raise ValueError(f"{where} is on {param.device} but other params are on {device}; use one device")
+    owner = getattr(param, "_fxzero_owner", None)
+    if owner is not None and owner() is not None:
+        raise ValueError(f"{where} is already managed by another fxzero.DistributedOptimizer")
+
+
+def check_managed_params(groups: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
+    """Validate every param and return them flat, in group order."""
+    params: list[torch.Tensor] = []
+    for g, group in enumerate(groups):
+        for i, param in enumerate(group["params"]):
+            device = params[0].device if params else param.device
+            _check_param(param, describe_param(g, i, group), device)
+            params.append(param)
+    if len({id(p) for p in params}) != len(params):
+        raise ValueError("a param appears more than once in the optimizer's param groups")
+    if not params:
+        raise ValueError("DistributedOptimizer got an empty parameter list")
+    return tuple(params)

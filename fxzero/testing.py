@@ -1,0 +1,154 @@
+"""A multi-rank harness: N gloo ranks on 127.0.0.1 that run functions on request.
+
+Starting a rank costs seconds (process spawn, torch import, gloo init), so a
+:class:`RankPool` starts its ranks once and runs many functions on them. Functions are
+sent by reference (module-level functions only) and run on every rank at once.
+
+Failure behaviour, which is the point of a harness:
+
+* an exception on any rank raises :class:`RankError` in the caller with that rank's
+  traceback (other ranks blocked in a collective with it are then killed);
+* if any rank does not answer within ``timeout`` seconds (a hung collective), the pool
+  is killed and :class:`RankTimeout` names the ranks that were still running;
+* a pool that failed is closed; :func:`get_pool` makes a fresh one next time.
+
+The process group is created with a short timeout too, so a rank stuck in a
+collective also raises on its own.
+"""
+
+from __future__ import annotations
+
+import datetime
+import queue
+import sys
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankError", "RankPool", "RankTimeout", "close_pools", "get_pool", "run_ranks"]
+
+
+class RankError(RuntimeError):
+    """A function raised on one or more ranks."""
+
+
+class RankTimeout(RuntimeError):
+    """One or more ranks did not finish in time (for example, a hung collective)."""
+
+
+def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: Any, results: Any, pg_timeout: float) -> None:
+    sys.path[:] = sys_path
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
+    )
+    results.put((rank, True, "ready"))
+    while (item := tasks.get()) is not None:
+        fn, args, kwargs = item
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:  # noqa: BLE001 - the traceback is the message
+            results.put((rank, False, traceback.format_exc()))
+        if "torch._dynamo" in sys.modules:  # compiled code must not leak into the next function
+            torch._dynamo.reset()
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` long-lived gloo ranks; :meth:`run` executes a function on all of them."""
+
+    def __init__(self, world_size: int, *, pg_timeout: float = 30.0, start_timeout: float = 120.0) -> None:
+        if world_size < 1:
+            raise ValueError(f"RankPool: world_size must be >= 1, got {world_size}")
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        # The parent hosts the rendezvous store on a port the OS picks: no free-port race.
+        self._store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, world_size, self._store.port, list(sys.path), self._tasks[r], self._results, pg_timeout),
+                daemon=True,
+            )
+            for r in range(world_size)
+        ]
+        for proc in self._procs:
+            proc.start()
+        self.closed = False
+        self._collect(start_timeout, "start")
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
+        if self.closed:
+            raise RuntimeError("RankPool is closed")
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
+
+    def _collect(self, timeout: float, what: str) -> list[Any]:
+        deadline = time.monotonic() + timeout
+        values: dict[int, Any] = {}
+        errors: dict[int, str] = {}
+        while len(values) + len(errors) < self.world_size:
+            remaining = deadline - time.monotonic() if not errors else min(5.0, deadline - time.monotonic())
+            try:
+                rank, ok, value = self._results.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                break
+            (values if ok else errors)[rank] = value
+        if errors:
+            self.close()
+            detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
+            raise RankError(f"{what} failed on rank(s) {sorted(errors)} of {self.world_size}:\n{detail}")
+        if len(values) < self.world_size:
+            self.close()
+            missing = sorted(set(range(self.world_size)) - set(values))
+            raise RankTimeout(f"{what}: rank(s) {missing} of {self.world_size} did not finish within {timeout:.0f}s")
+        return [values[r] for r in range(self.world_size)]
+
+    def close(self) -> None:
+        """Stop the ranks (politely if idle, by force after a short grace)."""
+        if self.closed:
+            return
+        self.closed = True
+        for q in self._tasks:
+            q.put(None)
+        for proc in self._procs:
+            proc.join(timeout=2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+_POOLS: dict[int, RankPool] = {}
+
+
+def get_pool(world_size: int) -> RankPool:
+    """A live pool of ``world_size`` ranks, reused across calls (restarted after a failure)."""
+    pool = _POOLS.get(world_size)
+    if pool is None or pool.closed:
+        pool = _POOLS[world_size] = RankPool(world_size)
+    return pool
+
+
+def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: float = 120.0, **kwargs: Any) -> list[Any]:
+    """Run ``fn`` on ``world_size`` gloo ranks (a shared, reused pool); per-rank results."""
+    return get_pool(world_size).run(fn, *args, timeout=timeout, **kwargs)
+
+
+def close_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def rank_env() -> tuple[int, int]:
+    """(rank, world size) inside a harness function."""
+    return dist.get_rank(), dist.get_world_size()
