@@ -85,11 +85,13 @@ class GradSync:
     def grad_ready(self, slot: int) -> None:
         """Record that param ``slot``'s gradient for this backward is in ``main_grad``."""
         self.presence[slot] = 1
-        if self._accumulating or self._seen[slot]:
+        if self._accumulating:
             return
         bucket = self.bucket_of_slot[slot]
         if self._launched[bucket]:
             raise RuntimeError(self._late_grad_message(slot, bucket))
+        if self._seen[slot]:
+            return
         self._seen[slot] = 1
         self._queue_end_of_backward()
         self._pending[bucket] -= 1

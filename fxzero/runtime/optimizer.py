@@ -100,6 +100,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param._fxzero_owner = weakref.ref(self)
             param._fxzero_slot = slot
         self.grad_sync.install_hooks()
+        # Hooks hold the GradSync, not the optimizer: when the optimizer goes away its
+        # hooks must go too, or a successor optimizer would see every gradient twice.
+        weakref.finalize(self, self.grad_sync.remove_hooks)
         self._fragments_of_slot: list[list[Any]] = [[] for _ in self.params]
         for frag in self.fragments:
             self._fragments_of_slot[frag.slot].append(frag)

@@ -1,0 +1,266 @@
+"""Train a small byte-level GPT with fxzero.DistributedOptimizer (ZeRO-1 AdamW).
+
+    torchrun --nproc-per-node 2 examples/train_gpt.py    # 2 ranks (gloo on CPU, NCCL on GPU)
+    python examples/train_gpt.py --steps 20               # 1 rank, no process group
+
+Data: the Python standard library's own .py files (about 2 MB, read in sorted order),
+or --data FILE; one token per byte. Each step draws a global batch of --global-batch
+sequences from a generator seeded by the step number, and each rank trains on its
+1/world slice of it, so the run does the same math at any world size.
+"""
+
+import argparse
+import math
+import os
+import resource
+import sysconfig
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from tabulate import tabulate
+
+import fxzero
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 256  # bytes
+    block_size: int = 128
+    dim: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_head = args.n_head
+        self.wqkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
+        self.wo = nn.Linear(args.dim, args.dim, bias=False)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.wqkv(x).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, 4 * args.dim, bias=False)
+        self.w2 = nn.Linear(4 * args.dim, args.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.gelu(self.w1(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = nn.LayerNorm(args.dim)
+        self.attention = Attention(args)
+        self.ffn_norm = nn.LayerNorm(args.dim)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x):
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.pos_embeddings = nn.Embedding(args.block_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layer))
+        self.norm = nn.LayerNorm(args.dim)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        self.output.weight = self.tok_embeddings.weight  # tied: one Parameter, two uses
+        for name, p in self.named_parameters():  # nanoGPT's init
+            if p.dim() == 2:
+                residual = name.endswith(("wo.weight", "w2.weight"))
+                nn.init.normal_(p, std=0.02 / math.sqrt(2 * args.n_layer) if residual else 0.02)
+
+    def forward(self, idx, targets):
+        x = self.tok_embeddings(idx) + self.pos_embeddings(torch.arange(idx.shape[1], device=idx.device))
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def load_bytes(path, limit=2_000_000):
+    if path:
+        return Path(path).read_bytes()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    chunks, total = [], 0
+    for file in sorted(stdlib.rglob("*.py")):
+        if "site-packages" in file.parts or total >= limit:
+            continue
+        chunks.append(file.read_bytes())
+        total += len(chunks[-1])
+    return b"\n".join(chunks)[:limit]
+
+
+def get_batch(data, step, args, rank, world):
+    """This rank's slice of global batch `step`: the same global batch at any world size."""
+    g = torch.Generator().manual_seed(step)
+    starts = torch.randint(len(data) - args.seq - 1, (args.global_batch,), generator=g)
+    per_rank = args.global_batch // world
+    starts = starts[rank * per_rank : (rank + 1) * per_rank]
+    x = torch.stack([data[s : s + args.seq] for s in starts])
+    y = torch.stack([data[s + 1 : s + 1 + args.seq] for s in starts])
+    return x, y
+
+
+def lr_at(step, args):  # linear warmup, then cosine down to lr/10
+    warmup = max(1, args.steps // 10)
+    if step <= warmup:
+        return args.lr * step / warmup
+    return args.lr * (0.55 + 0.45 * math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
+
+
+def reduce(value, op, device):
+    t = torch.tensor(float(value), dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=op)
+    return t.item()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=150)
+    p.add_argument("--global-batch", type=int, default=16, help="sequences per step, over all ranks")
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--dim", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per gradient bucket")
+    p.add_argument("--accum", type=int, default=1, help="microbatches per step")
+    p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--data", default=None, help="a text file (default: the stdlib's .py files)")
+    args = p.parse_args()
+    t_start = time.perf_counter()
+
+    if "WORLD_SIZE" in os.environ:  # launched by torchrun
+        dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, os.cpu_count() // world))
+    if args.global_batch % (world * args.accum):
+        p.error(f"--global-batch {args.global_batch} must be divisible by world * accum = {world * args.accum}")
+
+    data = torch.frombuffer(bytearray(load_bytes(args.data)), dtype=torch.uint8).long()
+    split = int(0.9 * len(data))
+    train_data, val_data = data[:split], data[split:]
+
+    torch.manual_seed(0)  # same init on every rank
+    model_args = ModelArgs(block_size=args.seq, dim=args.dim, n_layer=args.layers, n_head=args.heads)
+    model = Transformer(model_args).to(device)
+    n_params = sum(p.numel() for p in model.parameters())
+    params = list(model.parameters())
+    opt = fxzero.DistributedOptimizer(
+        [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ],
+        torch.optim.AdamW,
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        process_group=None,
+        config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0),
+    )
+    # (A later `--compile` flag wraps the model here: model = torch.compile(model, backend=...).)
+
+    def log(*a):
+        if rank == 0:
+            print(*a, flush=True)
+
+    log(f"fxzero GPT: {n_params:,} params, {len(opt.buckets)} buckets, world {world}, {device.type}, "
+        f"{len(train_data):,} train / {len(val_data):,} val bytes")
+    micro = args.global_batch // world // args.accum
+    tokens_per_step = args.global_batch * args.seq
+    losses, skipped = [], 0
+    loss_sum, n_sum, t_last = torch.zeros((), device=device), 0, time.perf_counter()
+    for step in range(1, args.steps + 1):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
+        x, y = get_batch(train_data, step, args, rank, world)
+        x, y = x.to(device), y.to(device)
+        for i in range(args.accum):
+            xb, yb = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
+            if i < args.accum - 1:
+                with opt.no_sync():  # accumulate into main_grad, no reduce-scatter yet
+                    loss = model(xb, yb) / args.accum
+                    loss.backward()
+            else:
+                loss = model(xb, yb) / args.accum
+                loss.backward()  # reduce-scatters start here, bucket by bucket
+            loss_sum += loss.detach()
+        result = opt.step()  # finish reduce-scatters, AdamW on this rank's shard, all-gather
+        opt.zero_grad()
+        skipped += result.skipped
+        n_sum += 1
+        if step == 1 or step % args.log_every == 0 or step == args.steps:
+            mean_loss = reduce(loss_sum, dist.ReduceOp.SUM, device) / (world * n_sum)  # one scalar all-reduce
+            now = time.perf_counter()
+            ms = 1000 * (now - t_last) / n_sum
+            losses.append(mean_loss)
+            log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:4.0f} ms/step | {tokens_per_step / ms * 1000:,.0f} tok/s")
+            loss_sum.zero_()
+            n_sum, t_last = 0, now
+
+    # Validation: non-overlapping windows of the held-out 10%, split over ranks.
+    model.eval()
+    windows = torch.arange(0, len(val_data) - args.seq - 1, args.seq)[:256]
+    val_sum = 0.0
+    with torch.no_grad():
+        for chunk in windows[rank::world].split(32):
+            x = torch.stack([val_data[s : s + args.seq] for s in chunk]).to(device)
+            y = torch.stack([val_data[s + 1 : s + 1 + args.seq] for s in chunk]).to(device)
+            val_sum += model(x, y).item() * len(chunk)
+    val_loss = reduce(val_sum, dist.ReduceOp.SUM, device) / len(windows)
+
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    peak = reduce(peak, dist.ReduceOp.MAX, device)
+    state = reduce(opt.state_bytes, dist.ReduceOp.MAX, device)
+    padded = sum(b.plan.numel for b in opt.buffers)
+    unpadded = sum(b.plan.numel_unpadded for b in opt.buffers)
+    n_buckets = len(opt.buckets)
+    collectives = f"{2 * n_buckets + 1} ({n_buckets} reduce-scatter + {n_buckets} all-gather + 1 all-reduce)"
+    rows = [
+        ("train loss (first → last)", f"{losses[0]:.4f} → {losses[-1]:.4f}"),
+        ("val loss", f"{val_loss:.4f}"),
+        ("params", f"{n_params:,}"),
+        ("buckets", f"{n_buckets} (bucket size {args.bucket_size:,}; buffer {padded:,} elems, {unpadded:,} unpadded)"),
+        ("collectives per step", collectives if world > 1 else "0 (world size 1)"),
+        ("optimizer state / rank (max)", f"{state / 2**20:.2f} MiB (plain AdamW: {8 * n_params / 2**20:.2f} MiB)"),
+        ("peak memory / rank (max)", f"{peak / 2**20:.0f} MiB ({'cuda allocated' if device.type == 'cuda' else 'max RSS'})"),
+        ("skipped steps", skipped),
+        ("world size", world),
+        ("steps × tokens/step", f"{args.steps} × {tokens_per_step:,}"),
+        ("wall time", f"{time.perf_counter() - t_start:.1f} s"),
+    ]
+    log(tabulate(rows, headers=["", "value"], tablefmt="github"))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

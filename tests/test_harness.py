@@ -1,0 +1,52 @@
+"""The multi-rank harness reports failures and hangs instead of hanging itself."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fxzero.testing import RankError, RankPool, RankTimeout, run_ranks
+
+
+def _ranks_and_sum() -> tuple[int, int, float]:
+    t = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), t.item()
+
+
+def _fail_on_rank_one() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is broken")
+    dist.barrier()
+
+
+def _hang_on_rank_zero() -> None:
+    if dist.get_rank() == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_every_rank_runs_with_its_own_rank(world: int) -> None:
+    results = run_ranks(world, _ranks_and_sum)
+    assert results == [(r, world, world * (world + 1) / 2) for r in range(world)]
+
+
+def test_a_failing_rank_shows_its_traceback() -> None:
+    with pytest.raises(RankError) as info:
+        run_ranks(2, _fail_on_rank_one)
+    message = str(info.value)
+    assert "rank(s) [1]" in message and "--- rank 1 ---" in message
+    assert "ValueError: rank one is broken" in message and "_fail_on_rank_one" in message
+    assert run_ranks(2, _ranks_and_sum)[1][2] == 3.0  # a fresh pool replaces the failed one
+
+
+def test_a_hung_collective_fails_within_the_timeout() -> None:
+    pool = RankPool(2)
+    start = time.monotonic()
+    with pytest.raises(RankTimeout, match=r"rank\(s\) \[0\] of 2 did not finish within 3s"):
+        pool.run(_hang_on_rank_zero, timeout=3)
+    assert time.monotonic() - start < 15
+    assert pool.closed
