@@ -10,6 +10,7 @@ sequences from a generator seeded by the step number, and each rank trains on it
 """
 
 import argparse
+import contextlib
 import math
 import os
 import resource
@@ -101,23 +102,26 @@ def load_bytes(path, limit=2_000_000):
         return Path(path).read_bytes()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for file in sorted(stdlib.rglob("*.py")):
-        if "site-packages" in file.parts or total >= limit:
-            continue
+    for file in sorted(f for f in stdlib.rglob("*.py") if "site-packages" not in f.parts):
         chunks.append(file.read_bytes())
         total += len(chunks[-1])
+        if total >= limit:
+            break
     return b"\n".join(chunks)[:limit]
 
 
-def get_batch(data, step, args, rank, world):
+def windows(data, starts, seq, device):  # inputs and next-byte targets
+    x = torch.stack([data[s : s + seq] for s in starts])
+    y = torch.stack([data[s + 1 : s + 1 + seq] for s in starts])
+    return x.to(device), y.to(device)
+
+
+def get_batch(data, step, args, rank, world, device):
     """This rank's slice of global batch `step`: the same global batch at any world size."""
     g = torch.Generator().manual_seed(step)
     starts = torch.randint(len(data) - args.seq - 1, (args.global_batch,), generator=g)
     per_rank = args.global_batch // world
-    starts = starts[rank * per_rank : (rank + 1) * per_rank]
-    x = torch.stack([data[s : s + args.seq] for s in starts])
-    y = torch.stack([data[s + 1 : s + 1 + args.seq] for s in starts])
-    return x, y
+    return windows(data, starts[rank * per_rank : (rank + 1) * per_rank], args.seq, device)
 
 
 def lr_at(step, args):  # linear warmup, then cosine down to lr/10
@@ -152,8 +156,7 @@ def main():
 
     if "WORLD_SIZE" in os.environ:  # launched by torchrun
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
@@ -170,25 +173,19 @@ def main():
     torch.manual_seed(0)  # same init on every rank
     model_args = ModelArgs(block_size=args.seq, dim=args.dim, n_layer=args.layers, n_head=args.heads)
     model = Transformer(model_args).to(device)
-    n_params = sum(p.numel() for p in model.parameters())
-    params = list(model.parameters())
+    params = list(model.parameters())  # the tied embedding/head weight appears once
+    n_params = sum(p.numel() for p in params)
+    groups = [  # weight decay on matrices (and the embedding) only
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
     opt = fxzero.DistributedOptimizer(
-        [
-            {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-        ],
-        torch.optim.AdamW,
-        lr=args.lr,
-        betas=(0.9, 0.95),
-        process_group=None,
+        groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), process_group=None,
         config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0),
     )
     # (A later `--compile` flag wraps the model here: model = torch.compile(model, backend=...).)
 
-    def log(*a):
-        if rank == 0:
-            print(*a, flush=True)
-
+    log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     log(f"fxzero GPT: {n_params:,} params, {len(opt.buckets)} buckets, world {world}, {device.type}, "
         f"{len(train_data):,} train / {len(val_data):,} val bytes")
     micro = args.global_batch // world // args.accum
@@ -198,17 +195,13 @@ def main():
     for step in range(1, args.steps + 1):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-        x, y = get_batch(train_data, step, args, rank, world)
-        x, y = x.to(device), y.to(device)
+        x, y = get_batch(train_data, step, args, rank, world, device)
         for i in range(args.accum):
-            xb, yb = x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]
-            if i < args.accum - 1:
-                with opt.no_sync():  # accumulate into main_grad, no reduce-scatter yet
-                    loss = model(xb, yb) / args.accum
-                    loss.backward()
-            else:
-                loss = model(xb, yb) / args.accum
-                loss.backward()  # reduce-scatters start here, bucket by bucket
+            # All but the last microbatch only accumulate into main_grad; the last
+            # backward launches each bucket's reduce-scatter as soon as its grads are in.
+            with opt.no_sync() if i < args.accum - 1 else contextlib.nullcontext():
+                loss = model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / args.accum
+                loss.backward()
             loss_sum += loss.detach()
         result = opt.step()  # finish reduce-scatters, AdamW on this rank's shard, all-gather
         opt.zero_grad()
@@ -225,24 +218,19 @@ def main():
 
     # Validation: non-overlapping windows of the held-out 10%, split over ranks.
     model.eval()
-    windows = torch.arange(0, len(val_data) - args.seq - 1, args.seq)[:256]
+    val_starts = torch.arange(0, len(val_data) - args.seq - 1, args.seq)[:256]
     val_sum = 0.0
     with torch.no_grad():
-        for chunk in windows[rank::world].split(32):
-            x = torch.stack([val_data[s : s + args.seq] for s in chunk]).to(device)
-            y = torch.stack([val_data[s + 1 : s + 1 + args.seq] for s in chunk]).to(device)
-            val_sum += model(x, y).item() * len(chunk)
-    val_loss = reduce(val_sum, dist.ReduceOp.SUM, device) / len(windows)
+        for chunk in val_starts[rank::world].split(32):
+            val_sum += model(*windows(val_data, chunk, args.seq, device)).item() * len(chunk)
+    val_loss = reduce(val_sum, dist.ReduceOp.SUM, device) / len(val_starts)
 
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    peak = reduce(peak, dist.ReduceOp.MAX, device)
+    on_gpu = device.type == "cuda"
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
+    peak = reduce(torch.cuda.max_memory_allocated(device) if on_gpu else rss, dist.ReduceOp.MAX, device)
     state = reduce(opt.state_bytes, dist.ReduceOp.MAX, device)
-    padded = sum(b.plan.numel for b in opt.buffers)
+    n_buckets, padded = len(opt.buckets), sum(b.plan.numel for b in opt.buffers)
     unpadded = sum(b.plan.numel_unpadded for b in opt.buffers)
-    n_buckets = len(opt.buckets)
     collectives = f"{2 * n_buckets + 1} ({n_buckets} reduce-scatter + {n_buckets} all-gather + 1 all-reduce)"
     rows = [
         ("train loss (first → last)", f"{losses[0]:.4f} → {losses[-1]:.4f}"),
@@ -251,7 +239,7 @@ def main():
         ("buckets", f"{n_buckets} (bucket size {args.bucket_size:,}; buffer {padded:,} elems, {unpadded:,} unpadded)"),
         ("collectives per step", collectives if world > 1 else "0 (world size 1)"),
         ("optimizer state / rank (max)", f"{state / 2**20:.2f} MiB (plain AdamW: {8 * n_params / 2**20:.2f} MiB)"),
-        ("peak memory / rank (max)", f"{peak / 2**20:.0f} MiB ({'cuda allocated' if device.type == 'cuda' else 'max RSS'})"),
+        ("peak memory / rank (max)", f"{peak / 2**20:.0f} MiB ({'cuda allocated' if on_gpu else 'max RSS'})"),
         ("skipped steps", skipped),
         ("world size", world),
         ("steps × tokens/step", f"{args.steps} × {tokens_per_step:,}"),
