@@ -29,6 +29,14 @@ class GPTArgs:
     layers: int = 2
     heads: int = 2
     seq: int = 16
+    graph_break: bool = False
+    """Break the Dynamo graph after the embeddings: buckets span two graphs."""
+    loop_break: bool = False
+    """Break inside the block loop: Dynamo runs GPT.forward eagerly and compiles
+    Block.forward once, reusing that graph for every block with other params."""
+    eager_head: bool = False
+    """Run the tied output head eagerly (``torch.compiler.disable``): a param read both
+    by a compiled graph (the embedding) and by an eager region (the head)."""
 
 
 class Block(nn.Module):
@@ -53,11 +61,17 @@ class Block(nn.Module):
         return x + self.fc_out(F.gelu(self.fc(self.ln2(x))))
 
 
+@torch.compiler.disable
+def _eager_head(head: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return head(x)
+
+
 class GPT(nn.Module):
     """A tiny GPT whose output head is tied to the token embedding."""
 
     def __init__(self, args: GPTArgs = GPTArgs()) -> None:
         super().__init__()
+        self.args = args
         self.wte = nn.Embedding(args.vocab, args.dim)
         self.wpe = nn.Embedding(args.seq, args.dim)
         self.blocks = nn.ModuleList(Block(args) for _ in range(args.layers))
@@ -73,19 +87,84 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(idx.shape[1], device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
+        if self.args.graph_break:
+            torch._dynamo.graph_break()
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+            if self.args.loop_break:
+                torch._dynamo.graph_break()
+        x = self.ln_f(x)
+        return _eager_head(self.head, x) if self.args.eager_head else self.head(x)
+
+
+class ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.norm = nn.GroupNorm(2, 8)  # batch-independent, unlike BatchNorm, so DP == big batch
+        self.conv2 = nn.Conv2d(8, 16, 3, stride=2, padding=1)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv2(F.relu(self.norm(self.conv1(x)))))
+        return self.fc(x.mean(dim=(2, 3)))
+
+
+class BranchMLP(MLP):
+    """An MLP with an extra layer used only on some steps (``use_extra``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.extra = nn.Linear(48, 48)
+
+    def forward(self, x: torch.Tensor, use_extra: bool = False) -> torch.Tensor:
+        h = F.gelu(self.fc2(F.gelu(self.norm(self.fc1(x)))))
+        if use_extra:
+            h = h + self.extra(h)
+        return self.out(h)
+
+
+class FrozenMLP(MLP):
+    """An MLP whose first layer is frozen (requires_grad=False, in no optimizer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1.requires_grad_(False)
+
+
+MODELS = {
+    "mlp": MLP,
+    "gpt": GPT,
+    "conv": ConvNet,
+    "gpt_break": lambda: GPT(GPTArgs(graph_break=True, eager_head=True)),
+    "gpt_loop_break": lambda: GPT(GPTArgs(loop_break=True)),
+    "mlp_branch": BranchMLP,
+    "mlp_frozen": FrozenMLP,
+}
 
 
 def build(name: str, seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "gpt": GPT}[name]()
+    return MODELS[name]()
+
+
+def kind(name: str) -> str:
+    """Which data and loss a model takes."""
+    return "gpt" if name.startswith("gpt") else "conv" if name == "conv" else "mlp"
+
+
+def forward_kwargs(name: str, step: int) -> dict:
+    return {"use_extra": step % 3 == 1} if name == "mlp_branch" else {}
 
 
 def batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of ``step`` (identical on every rank and in the reference)."""
     g = torch.Generator().manual_seed(1000 + step)
+    name = kind(name)
+    if name == "conv":
+        x = torch.randn(size, 3, 8, 8, generator=g)
+        teacher = torch.randn(3, 10, generator=torch.Generator().manual_seed(7))
+        return x, (x.mean(dim=(2, 3)) @ teacher).argmax(-1)
     if name == "mlp":  # a learnable target: a fixed random teacher
         x = torch.randn(size, 16, generator=g)
         teacher = torch.randn(16, 8, generator=torch.Generator().manual_seed(7))
@@ -98,13 +177,16 @@ def batch(name: str, step: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    if name == "mlp":
+    if kind(name) == "mlp":
         return F.mse_loss(out, target)
+    if kind(name) == "conv":
+        return F.cross_entropy(out, target)
     return F.cross_entropy(out.flatten(0, 1), target.flatten())
 
 
 def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
     """Two AdamW groups, as nanoGPT makes them: decay on matrices, none on the rest."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    decay = [p for p in trainable if p.dim() >= 2]
+    no_decay = [p for p in trainable if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -1,19 +1,28 @@
 """Gradient readiness tracking and bucketed reduce-scatter launches.
 
-One :class:`GradSync` per optimizer is the single place that knows which managed
-params have their gradient in ``main_grad`` for the current step. The eager path
-(post-accumulate-grad hooks, installed here) and the compiled path (the backward-graph
-pass's custom ops) both report through :meth:`GradSync.grad_ready`, so a bucket whose
-params are spread over several graphs and eager regions still launches exactly once.
+One :class:`GradSync` per optimizer is the single place that knows which gradients of
+the current step are in ``main_grad``. Two producers report to it:
 
-Launch rules:
+* **eager** regions, through post-accumulate-grad hooks installed here: autograd has
+  summed all of a param's eager contributions when the hook fires, so it counts once;
+* **compiled** graphs, through the ``fxzero::grads_ready`` op that the backward pass
+  inserts after a bucket's last gradient in that graph (:mod:`fxzero.runtime.ops`).
+  Autograd never sees those gradients (the graph returns ``None`` for them), so the
+  count is kept here: each run of a compiled forward adds the number of gradients its
+  backward will deliver per bucket (:meth:`forward_ran`), and each op subtracts them.
 
-* a bucket launches when all of its params are ready **and** every lower-indexed
-  bucket has launched: collectives are issued in bucket order on every rank, whatever
-  order data-dependent control flow produced the gradients in;
-* at the end of each backward (an autograd-engine callback) every bucket not yet
-  launched is launched, so a param that got no gradient never blocks a bucket;
-* under :meth:`no_sync` gradients accumulate into ``main_grad`` and nothing launches.
+A bucket is ready when its count of outstanding contributions reaches zero. It
+launches when it is ready **and** every lower-indexed bucket has launched, so
+collectives are issued in bucket order on every rank whatever order data-dependent
+control flow produced the gradients in. At the end of each backward (an engine
+callback) every bucket not yet launched is launched, so a param that got no gradient
+never blocks. Under :meth:`no_sync` gradients accumulate and nothing launches.
+
+A param read both by a compiled graph and eagerly ("mixed", e.g. a tied embedding
+across a graph break) is discovered when its eager hook fires; its eager contribution
+is expected from then on. The first step after any new graph is compiled is a
+*learning* step that launches only at the end of backward, so such discoveries never
+come after their bucket was launched.
 
 The per-step path does no slicing and no allocation: shard views come from the
 :class:`~fxzero.runtime.buffers.Bucket` objects, counters are preallocated.
@@ -23,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,20 +53,25 @@ class GradSync:
         self.buckets = tuple(buckets)
         self.dp = dp
         self.params = tuple(params)
-        slot_of = {id(p): i for i, p in enumerate(self.params)}
+        self.slot_of = {id(p): i for i, p in enumerate(self.params)}
         self.bucket_of_slot = [0] * len(self.params)
         for bucket in self.buckets:
             for p in bucket.params:
-                self.bucket_of_slot[slot_of[id(p)]] = bucket.index
-        self._params_per_bucket = [len(b.params) for b in self.buckets]
-        self._pending = list(self._params_per_bucket)
+                self.bucket_of_slot[self.slot_of[id(p)]] = bucket.index
+        n = len(self.params)
+        self._compiled = bytearray(n)  # slot is read by some compiled graph
+        self._mixed = bytearray(n)  # ... and also gets eager gradients
+        self._baseline = [len(b.params) for b in self.buckets]  # eager contributions expected
+        self._pending = list(self._baseline)
         self._launched = [False] * len(self.buckets)
         self._works: list[Optional[dist.Work]] = [None] * len(self.buckets)
         self._next = 0
-        self._zeros = bytes(len(self.params))
-        self._seen = bytearray(len(self.params))
-        self.presence = bytearray(len(self.params))
+        self._zeros = bytes(n)
+        self._seen = bytearray(n)
+        self.presence = bytearray(n)
         """``presence[slot]`` is 1 once param ``slot`` got any gradient since the last step."""
+        self.presence_tensor = torch.frombuffer(self.presence, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
+        self.learning = False
         self._accumulating = False
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -70,6 +84,8 @@ class GradSync:
 
     def _make_hook(self, slot: int):
         def hook(param: torch.nn.Parameter) -> None:
+            if param.grad is None:  # a compiled graph returned None: its op reported it
+                return
             param.main_grad.add_(param.grad)
             param.grad = None
             self.grad_ready(slot)
@@ -81,21 +97,59 @@ class GradSync:
             handle.remove()
         self._hooks.clear()
 
-    # ---- readiness --------------------------------------------------------------
     def grad_ready(self, slot: int) -> None:
-        """Record that param ``slot``'s gradient for this backward is in ``main_grad``."""
+        """Param ``slot``'s eager gradient for this backward is in ``main_grad``."""
         self.presence[slot] = 1
         if self._accumulating:
             return
         bucket = self.bucket_of_slot[slot]
         if self._launched[bucket]:
             raise RuntimeError(self._late_grad_message(slot, bucket))
+        if self._compiled[slot] and not self._mixed[slot]:
+            self._discover_mixed(slot)
+            return  # not counted this step: the count did not expect it
         if self._seen[slot]:
             return
         self._seen[slot] = 1
+        self._contribute(bucket, 1)
+
+    def _discover_mixed(self, slot: int) -> None:
+        log.info("param %d is read by a compiled graph and eagerly; expecting both from now on", slot)
+        self._mixed[slot] = 1
+        self._baseline[self.bucket_of_slot[slot]] += 1
+
+    # ---- compiled path ----------------------------------------------------------
+    def register_compiled(self, slots: Iterable[int]) -> None:
+        """A newly compiled graph reads ``slots``: their gradients arrive through
+        ``fxzero::grads_ready``, not hooks. The next step is a learning step."""
+        for slot in slots:
+            if not self._compiled[slot]:
+                self._compiled[slot] = 1
+                self._baseline[self.bucket_of_slot[slot]] -= 1
+                self._pending[self.bucket_of_slot[slot]] -= 1
+        self.learning = True
+
+    def forward_ran(self, bucket_counts: Sequence[tuple[int, int]]) -> None:
+        """A compiled forward ran; its backward will deliver ``count`` grads per bucket.
+        Counted under ``no_sync`` too: the matching backward subtracts them whichever
+        context it runs in."""
+        for bucket, count in bucket_counts:
+            self._pending[bucket] += count
+
+    def compiled_grads_ready(self, bucket: int, count: int, slots: torch.Tensor) -> None:
+        """``count`` gradients of ``bucket`` (params ``slots``) were added to ``main_grad``."""
+        self.presence_tensor.index_fill_(0, slots, 1)
+        if self._launched[bucket]:
+            raise RuntimeError(self._late_grad_message(int(slots[0]), bucket))
+        self._contribute(bucket, count)
+
+    # ---- readiness and launches -------------------------------------------------
+    def _contribute(self, bucket: int, count: int) -> None:
+        self._pending[bucket] -= count
+        if self._accumulating:
+            return
         self._queue_end_of_backward()
-        self._pending[bucket] -= 1
-        if self._pending[bucket] == 0:
+        if self._pending[bucket] <= 0 and not self.learning:
             self._launch_ready_prefix()
 
     def _late_grad_message(self, slot: int, bucket: int) -> str:
@@ -107,8 +161,8 @@ class GradSync:
         )
 
     def _queue_end_of_backward(self) -> None:
-        # Outside a backward (a compiled graph's op run by hand, a test) there is no
-        # engine to call us back: step() launches what is left instead.
+        # Outside a backward (an op run by hand, a test) there is no engine to call us
+        # back: step() launches what is left instead.
         if self._callback_queued or torch._C._current_graph_task_id() == -1:
             return
         Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -119,7 +173,7 @@ class GradSync:
         self.launch_all()
 
     def _launch_ready_prefix(self) -> None:
-        while self._next < len(self.buckets) and self._pending[self._next] == 0:
+        while self._next < len(self.buckets) and self._pending[self._next] <= 0:
             self._launch(self._next)
 
     def launch_all(self) -> None:
@@ -150,16 +204,17 @@ class GradSync:
 
     def reset(self) -> None:
         """Start a new step: nothing ready, nothing launched, no gradient seen."""
-        self._pending[:] = self._params_per_bucket
+        self._pending[:] = self._baseline
         for index in range(len(self._launched)):
             self._launched[index] = False
         self._next = 0
         self._seen[:] = self._zeros
         self.presence[:] = self._zeros
+        self.learning = False
 
     @property
-    def in_flight(self) -> bool:
-        return any(work is not None for work in self._works)
+    def launched(self) -> tuple[bool, ...]:
+        return tuple(self._launched)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -108,7 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._fragments_of_slot[frag.slot].append(frag)
         self._fragment_grads = [f.grad for f in self.fragments]
         self._stats = torch.zeros(len(self.params) + 1, dtype=torch.float64, device=self.params[0].device)
-        self._presence = torch.frombuffer(self.grad_sync.presence, dtype=torch.uint8)
+        self._presence = self.grad_sync.presence_tensor
         self._gathers: list[Optional[dist.Work]] = [None] * len(self.buckets)
 
     def _build_buffers(self) -> tuple[ParamAndGradBuffer, ...]:

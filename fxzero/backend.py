@@ -1,0 +1,212 @@
+"""The ``fxzero`` torch.compile backend: AOTAutograd plus fxzero's graph passes.
+
+    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+
+Graph inputs that are params managed by a :class:`fxzero.DistributedOptimizer` are found
+by identity. Their gradients leave the backward graph through ``fxzero::grads_ready``
+launches (:mod:`fxzero.passes.bucket_reduce_scatter`) instead of autograd. Each run of
+the compiled forward tells the runtime how many gradients its backward will deliver
+per bucket, so a bucket whose params span several graphs and eager regions launches
+once, when its last gradient arrives. Graphs with no managed params compile exactly as
+plain ``torch.compile`` would.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+
+import torch
+import torch.fx as fx
+from functorch.compile import default_partition, make_boxed_func, min_cut_rematerialization_partition
+from torch._dynamo.backends.common import aot_autograd
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from .passes import run_backward_passes, run_forward_passes
+from .passes.bucket_reduce_scatter import BucketLaunch, ManagedGrad
+from .runtime.dump import GraphDumper
+from .runtime.grad_sync import GradSync
+from .runtime.ops import GraphBucket, register_graph_bucket
+
+__all__ = ["BackendOptions", "fxzero_backend"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class BackendOptions:
+    """``torch.compile(..., backend="fxzero", options={...})``."""
+
+    inner_compiler: Literal["inductor", "eager"] = "inductor"
+    """``"inductor"`` compiles the rewritten graphs to kernels; ``"eager"`` runs them as
+    FX code (fast to compile, for debugging and most tests)."""
+    dump_dir: Optional[str] = None
+    """Write every graph before and after fxzero's passes here as readable ``.py`` files."""
+
+    def __post_init__(self) -> None:
+        if self.inner_compiler not in ("inductor", "eager"):
+            raise ValueError(f"fxzero option 'inner_compiler' must be 'inductor' or 'eager', got {self.inner_compiler!r}")
+        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+            raise TypeError(f"fxzero option 'dump_dir' must be a path string, got {self.dump_dir!r}")
+
+    @classmethod
+    def from_mapping(cls, options: Optional[Mapping[str, Any]]) -> "BackendOptions":
+        options = dict(options or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ValueError(f"unknown fxzero option(s) {unknown}; known options: {sorted(known)}")
+        return cls(**options)
+
+
+def _inner_compile(options: BackendOptions, gm: fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool) -> Callable:
+    if options.inner_compiler == "eager":
+        return make_boxed_func(gm.forward)
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+
+
+def _owner_sync(param: Any) -> Optional[GradSync]:
+    ref = getattr(param, "_fxzero_owner", None)
+    owner = ref() if ref is not None else None
+    return owner.grad_sync if owner is not None else None
+
+
+class _CompiledGraph:
+    """fxzero's state for one Dynamo graph: its managed inputs and its forward counts."""
+
+    def __init__(self, example_inputs: Sequence[Any], options: BackendOptions, dumper: GraphDumper) -> None:
+        self.options, self.dumper = options, dumper
+        self.syncs: list[GradSync] = []
+        self.managed: list[ManagedGrad] = []
+        self.params: dict[int, torch.Tensor] = {}
+        for position, value in enumerate(example_inputs):
+            sync = _owner_sync(value)
+            if sync is None:
+                continue
+            if sync not in self.syncs:
+                self.syncs.append(sync)
+            slot = sync.slot_of[id(value)]
+            self.managed.append(ManagedGrad(position, self.syncs.index(sync), sync.bucket_of_slot[slot], slot))
+            self.params[position] = value
+        self.forward_counts = self._counts((g.owner, g.bucket) for g in self.managed)
+
+    def _counts(self, keys: Any) -> list[tuple[GradSync, list[tuple[int, int]]]]:
+        per_owner: dict[int, dict[int, int]] = {}
+        for owner, bucket in keys:
+            buckets = per_owner.setdefault(owner, {})
+            buckets[bucket] = buckets.get(bucket, 0) + 1
+        return [(self.syncs[o], sorted(b.items())) for o, b in sorted(per_owner.items())]
+
+    def register_with_runtime(self) -> None:
+        for owner, sync in enumerate(self.syncs):
+            sync.register_compiled(g.slot for g in self.managed if g.owner == owner)
+
+    def compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        gm = self.dumper.around("forward", gm, lambda g: run_forward_passes(g, example_inputs))
+        return self._counting(_inner_compile(self.options, gm, example_inputs, is_backward=False))
+
+    def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return _inner_compile(self.options, gm, example_inputs, is_backward=False)
+
+    def compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        launches: list[BucketLaunch] = []
+
+        def register(launch: BucketLaunch) -> int:
+            launches.append(launch)
+            return register_graph_bucket(self._graph_bucket(launch))
+
+        gm = self.dumper.around(
+            "backward", gm, lambda g: run_backward_passes(g, example_inputs, managed=self.managed, register=register)
+        )
+        # Only gradients this graph really produces are expected from its forward runs.
+        self.forward_counts = self._counts(
+            (launch.owner, launch.bucket) for launch in launches for _ in launch.positions
+        )
+        return _inner_compile(self.options, gm, example_inputs, is_backward=True)
+
+    def _graph_bucket(self, launch: BucketLaunch) -> GraphBucket:
+        params = [self.params[p] for p in launch.positions]
+        sync = self.syncs[launch.owner]
+        with unset_fake_temporarily():  # a real tensor, though a lazy backward compiles under fake mode
+            slots = torch.tensor([sync.slot_of[id(p)] for p in params], dtype=torch.int64)
+        return GraphBucket(sync, launch.bucket, [p.main_grad for p in params], slots)
+
+    def _counting(self, compiled: Callable) -> Callable:
+        def run(args: list[Any]) -> Any:
+            for sync, counts in self.forward_counts:
+                sync.forward_ran(counts)
+            return compiled(args)
+
+        run._boxed_call = True  # type: ignore[attr-defined]
+        return run
+
+
+def _has_unmanaged_trainable_params(example_inputs: Sequence[Any]) -> bool:
+    return any(isinstance(x, torch.nn.Parameter) and x.requires_grad and _owner_sync(x) is None for x in example_inputs)
+
+
+def _compile_bound(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable:
+    """AOT-compile ``gm`` with its managed-param bindings taken from ``example_inputs``."""
+    dumper = GraphDumper(opts.dump_dir)
+    graph = _CompiledGraph(example_inputs, opts, dumper)
+    graph.register_with_runtime()
+    inductor = opts.inner_compiler == "inductor"
+    decompositions = None
+    if inductor:
+        from torch._inductor.decomposition import select_decomp_table
+
+        decompositions = select_decomp_table()
+    backend = aot_autograd(
+        fw_compiler=graph.compile_forward,
+        bw_compiler=graph.compile_backward,
+        inference_compiler=graph.compile_inference,
+        decompositions=decompositions,
+        partition_fn=min_cut_rematerialization_partition if inductor else default_partition,
+        keep_inference_input_mutations=True,
+    )
+    return backend(gm, example_inputs)
+
+
+class _ParamBoundDispatch:
+    """Dynamo reuses one compiled graph for structurally identical modules (every block
+    of a model whose loop graph-broke) with *different* params as inputs. Gradients must
+    land in each param's own ``main_grad``, so each set of params gets its own binding:
+    an O(1) identity check of the first and last managed input picks it."""
+
+    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, positions: list[int]) -> None:
+        self.gm, self.opts = gm, opts
+        self.first, self.last = positions[0], positions[-1]
+        self.variants = {self._key(example_inputs): _compile_bound(gm, example_inputs, opts)}
+
+    def _key(self, args: Sequence[Any]) -> tuple[int, int]:
+        return id(args[self.first]), id(args[self.last])
+
+    def __call__(self, *args: Any) -> Any:
+        compiled = self.variants.get(self._key(args))
+        if compiled is None:
+            log.info("graph reused with other params: binding a new variant")
+            compiled = self.variants[self._key(args)] = _compile_bound(self.gm, list(args), self.opts)
+        return compiled(*args)
+
+
+def fxzero_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None
+) -> Callable:
+    """The ``torch.compile`` backend entry point (registered as ``"fxzero"``)."""
+    if mode is not None:
+        raise ValueError(f"fxzero does not take torch.compile(mode={mode!r}); pass options={{'inner_compiler': ...}}")
+    opts = BackendOptions.from_mapping(options)
+    positions = [i for i, x in enumerate(example_inputs) if _owner_sync(x) is not None]
+    if not positions:
+        if _has_unmanaged_trainable_params(example_inputs):
+            warnings.warn(
+                "fxzero: this compiled graph's trainable params are not managed by any fxzero.DistributedOptimizer; "
+                "it compiles and trains as plain torch.compile (gradients go to param.grad)",
+                stacklevel=2,
+            )
+        return _compile_bound(gm, example_inputs, opts)
+    return _ParamBoundDispatch(gm, example_inputs, opts, positions)

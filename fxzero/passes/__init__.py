@@ -1,0 +1,49 @@
+"""fxzero's graph passes and the driver that runs them.
+
+A pass is a function ``name_pass(gm, example_inputs, *, ...) -> gm``; one with nothing
+to do returns ``gm`` unchanged. The lists below are fixed: configuration picks values
+for the passes, not which code runs. With ``logging.DEBUG`` on ``fxzero.passes`` each
+pass logs its time and the change in node count.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Sequence
+
+import torch.fx as fx
+
+from .bucket_reduce_scatter import bucket_reduce_scatter_pass
+
+__all__ = ["run_backward_passes", "run_forward_passes"]
+
+log = logging.getLogger(__name__)
+
+Pass = Callable[..., fx.GraphModule]
+
+FORWARD_PASSES: tuple[Pass, ...] = ()
+BACKWARD_PASSES: tuple[Pass, ...] = (bucket_reduce_scatter_pass,)
+
+
+def _run(passes: Sequence[Pass], gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> fx.GraphModule:
+    for graph_pass in passes:
+        nodes_before, start = len(gm.graph.nodes), time.perf_counter()
+        gm = graph_pass(gm, example_inputs, **kwargs)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug(
+                "%s: %.2f ms, nodes %d -> %d",
+                graph_pass.__name__,
+                1e3 * (time.perf_counter() - start),
+                nodes_before,
+                len(gm.graph.nodes),
+            )
+    return gm
+
+
+def run_forward_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    return _run(FORWARD_PASSES, gm, example_inputs)
+
+
+def run_backward_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> fx.GraphModule:
+    return _run(BACKWARD_PASSES, gm, example_inputs, **kwargs)

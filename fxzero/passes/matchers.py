@@ -1,0 +1,32 @@
+"""Small node predicates and node helpers shared by fxzero's passes.
+
+::
+
+    placeholder ... -> grad producer -> fxzero::grads_ready([grads], handle) -> ... -> output
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+__all__ = ["copy_node_provenance", "graph_output", "is_grads_ready"]
+
+_PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "fwd_nn_module_stack")
+
+
+def is_grads_ready(node: fx.Node) -> bool:
+    """A bucket launch inserted by the backward pass."""
+    return node.op == "call_function" and node.target is torch.ops.fxzero.grads_ready.default
+
+
+def graph_output(graph: fx.Graph) -> fx.Node:
+    return next(n for n in reversed(graph.nodes) if n.op == "output")
+
+
+def copy_node_provenance(source: fx.Node, target: fx.Node) -> None:
+    """Give an inserted node the stack trace and module path of the node it follows,
+    so error messages and dumps point at the user's code."""
+    for key in _PROVENANCE_KEYS:
+        if key in source.meta:
+            target.meta[key] = source.meta[key]

@@ -1,0 +1,69 @@
+"""Custom ops that compiled graphs call into the runtime with.
+
+``fxzero::grads_ready(grads, handle)`` adds one bucket's gradients from one backward
+graph into their ``main_grad`` views and reports them to the bucket's
+:class:`~fxzero.runtime.grad_sync.GradSync`, which may launch the bucket's
+reduce-scatter. A custom op cannot take Python objects, so the backward pass registers
+a :class:`GraphBucket` (the runtime objects one op call needs) and bakes its integer
+handle into the graph. The op returns nothing, so it is marked side-effecting to
+survive dead-code elimination under every inner compiler.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+
+import torch
+from torch.fx.node import has_side_effect
+
+from .grad_sync import GradSync
+
+__all__ = ["GraphBucket", "register_graph_bucket"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class GraphBucket:
+    """What one ``fxzero::grads_ready`` call site needs, made once at compile time."""
+
+    sync: GradSync
+    bucket: int
+    main_grads: list[torch.Tensor]
+    """``main_grad`` views, in the order the op receives the gradients."""
+    slots: torch.Tensor
+    """int64 param slots of those gradients (for presence flags)."""
+
+    @property
+    def count(self) -> int:
+        return len(self.main_grads)
+
+
+_graph_buckets: list[GraphBucket] = []
+_lock = threading.Lock()
+
+
+def register_graph_bucket(entry: GraphBucket) -> int:
+    """Store ``entry`` for the lifetime of the process; returns its op handle."""
+    with _lock:
+        _graph_buckets.append(entry)
+        return len(_graph_buckets) - 1
+
+
+def graph_bucket(handle: int) -> GraphBucket:
+    return _graph_buckets[handle]
+
+
+@torch.library.custom_op("fxzero::grads_ready", mutates_args=())
+def grads_ready(grads: list[torch.Tensor], handle: int) -> None:
+    """Add ``grads`` into their ``main_grad`` views; report the bucket's contributions."""
+    entry = _graph_buckets[handle]
+    torch._foreach_add_(entry.main_grads, grads)
+    entry.sync.compiled_grads_ready(entry.bucket, entry.count, entry.slots)
+
+
+@grads_ready.register_fake
+def _grads_ready_fake(grads: list[torch.Tensor], handle: int) -> None:
+    return None
+
+
+has_side_effect(torch.ops.fxzero.grads_ready.default)
