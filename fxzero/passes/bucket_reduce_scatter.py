@@ -101,12 +101,11 @@ def insert_launches(gm: fx.GraphModule, plan: LaunchPlan, handles: Sequence[int]
     for launch, handle in zip(plan.launches, handles):
         at = max(launch.after, last_placeholder)
         anchor = anchor_of.get(at, nodes[at])
+        sources = [grads[p] for p in launch.positions]
         with graph.inserting_after(anchor):
-            call = graph.call_function(
-                torch.ops.fxzero.grads_ready.default, ([grads[p] for p in launch.positions], handle)
-            )
+            call = graph.call_function(torch.ops.fxzero.grads_ready.default, (sources, handle))
         call.meta["val"] = None
-        copy_node_provenance(nodes[launch.after], call)
+        copy_node_provenance([nodes[launch.after], *sources], call)
         anchor_of[at] = call
     for position in plan.positions:
         grads[position] = None

@@ -24,9 +24,10 @@ def graph_output(graph: fx.Graph) -> fx.Node:
     return next(n for n in reversed(graph.nodes) if n.op == "output")
 
 
-def copy_node_provenance(source: fx.Node, target: fx.Node) -> None:
-    """Give an inserted node the stack trace and module path of the node it follows,
-    so error messages and dumps point at the user's code."""
+def copy_node_provenance(sources: list[fx.Node], target: fx.Node) -> None:
+    """Give an inserted node the provenance (stack trace, module path) of the nodes it
+    consumes, first found first, so error messages and dumps point at the user's code."""
     for key in _PROVENANCE_KEYS:
-        if key in source.meta:
-            target.meta[key] = source.meta[key]
+        found = next((s.meta[key] for s in sources if key in s.meta), None)
+        if found is not None:
+            target.meta[key] = found
