@@ -182,6 +182,7 @@ def main():
     opt = fxzero.DistributedOptimizer(
         groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), process_group=None,
         config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0),
+        module=model,  # lay buckets out in registration order (the groups split the model)
     )
     # (A later `--compile` flag wraps the model here: model = torch.compile(model, backend=...).)
 

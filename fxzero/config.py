@@ -51,6 +51,13 @@ class Config:
     one all-reduce), with the same formula as ``torch.nn.utils.clip_grad_norm_``.
     ``None`` disables clipping; the norm is still computed and reported by ``step()``."""
 
+    grad_collective: Literal["auto", "reduce_scatter", "all_reduce"] = "auto"
+    """How gradients reach this rank's shard. ``"reduce_scatter"`` averages each bucket
+    straight into the rank's shard view (ZeRO's collective; NCCL's is the fastest);
+    ``"all_reduce"`` sums the whole bucket in place and scales the shard, which is
+    faster on gloo, whose CPU reduce-scatter is itself an all-reduce plus a copy.
+    ``"auto"``: all-reduce on gloo, reduce-scatter elsewhere."""
+
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
         if not isinstance(self.pad_for_high_busbw, bool):
@@ -59,6 +66,10 @@ class Config:
             raise ValueError(
                 f"Config.grad_dtype must be one of {_GRAD_DTYPES} or None (the param dtype), "
                 f"got {self.grad_dtype!r}"
+            )
+        if self.grad_collective not in ("auto", "reduce_scatter", "all_reduce"):
+            raise ValueError(
+                f"Config.grad_collective must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.grad_collective!r}"
             )
         if self.clip_grad is not None:
             if isinstance(self.clip_grad, bool) or not isinstance(self.clip_grad, (int, float)):

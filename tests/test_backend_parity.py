@@ -46,7 +46,7 @@ def _train_compiled(run: Run) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(run.name)
     config = fxzero.Config(bucket_size=BUCKET, clip_grad=CLIP)
-    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config)
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": run.inner})
     losses = []
     for step in range(run.steps):

@@ -212,9 +212,10 @@ def _no_op_collective(*args: object, **kwargs: object) -> _DoneWork:
 _DONE = _DoneWork()
 
 
-def _hot_path_allocations() -> dict:
+def _hot_path_allocations(grad_collective: str) -> dict:
     model = build("gpt")
-    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, config=fxzero.Config(bucket_size=4000))
+    config = fxzero.Config(bucket_size=4000, grad_collective=grad_collective)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, config=config)
     pointers = lambda: [t.data_ptr() for b in opt.buckets for t in (*b.grad_shards, *b.param_shards)]  # noqa: E731
     before = pointers()
     x, y = batch("gpt", 0, 4)
@@ -234,7 +235,7 @@ def _hot_path_allocations() -> dict:
     # so that what is measured is fxzero's own launch/wait bookkeeping, at world size 2.
     with mock.patch.object(dist, "reduce_scatter_single", _no_op_collective), mock.patch.object(
         dist, "all_gather_single", _no_op_collective
-    ):
+    ), mock.patch.object(dist, "all_reduce", _no_op_collective):
         comm_path()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             comm_path()
@@ -247,8 +248,9 @@ def _hot_path_allocations() -> dict:
     }
 
 
-def test_communication_path_allocates_and_slices_nothing_and_views_never_move() -> None:
-    for result in run_ranks(2, _hot_path_allocations):
+@pytest.mark.parametrize("grad_collective", ["reduce_scatter", "all_reduce"])
+def test_communication_path_allocates_and_slices_nothing_and_views_never_move(grad_collective: str) -> None:
+    for result in run_ranks(2, _hot_path_allocations, grad_collective):
         assert result["buckets"] >= 3
         assert result["same_views"]
         assert result["view_ops"] == [], result
@@ -267,3 +269,24 @@ def test_a_dropped_optimizer_releases_its_params() -> None:
     assert train_step(model, second, 0) == train_step(ref, ref_opt, 0)
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q), "stale hooks of the first optimizer double-counted a gradient"
+
+
+def test_module_orders_the_layout_like_megatron_and_group_order_warns(caplog: pytest.LogCaptureFixture) -> None:
+    model = build("gpt")
+    names = {id(p): n for n, p in model.named_parameters()}
+    with caplog.at_level("WARNING"):
+        grouped = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-3)
+    assert "Pass module=model" in caplog.text
+    del grouped
+    model = build("gpt")
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt = fxzero.DistributedOptimizer(
+        param_groups(model), torch.optim.AdamW, lr=1e-3, module=model, config=fxzero.Config(bucket_size=3000)
+    )
+    first = [names[id(p)] for p in opt.buckets[0].params]
+    last = [names[id(p)] for p in opt.buckets[-1].params]
+    # reverse registration order: the last layers (backward's first grads) fill bucket 0
+    assert all(not n.startswith("blocks.0.") for n in first) and "ln_f.weight" in first, first
+    assert "wte.weight" in last and all(not n.startswith("blocks.1.") for n in last), last
+    with pytest.raises(ValueError, match="module holds none"):
+        fxzero.DistributedOptimizer(small_model().parameters(), torch.optim.SGD, lr=0.1, module=model)

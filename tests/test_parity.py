@@ -25,11 +25,11 @@ CLIP = 0.5
 BUCKET = 2000  # elements: several buckets for both models
 
 
-def _train_distributed(name: str, bucket_size: int, steps: int = STEPS) -> dict:
+def _train_distributed(name: str, bucket_size: int, steps: int = STEPS, grad_collective: str = "auto") -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(name)
-    config = fxzero.Config(bucket_size=bucket_size, clip_grad=CLIP)
-    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config)
+    config = fxzero.Config(bucket_size=bucket_size, clip_grad=CLIP, grad_collective=grad_collective)
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
     losses, local = [], GLOBAL_BATCH // world
     for step in range(steps):
         x, y = batch(name, step, GLOBAL_BATCH)
@@ -64,11 +64,14 @@ def _train_reference(name: str, steps: int = STEPS) -> dict:
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
-@pytest.mark.parametrize("name", ["mlp", "gpt"])
-def test_parity_with_single_process_eager(name: str, world: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "world", "grad_collective"),
+    [(n, w, "auto") for n in ("mlp", "gpt") for w in (1, 2, 4)] + [("gpt", 2, "reduce_scatter"), ("gpt", 4, "reduce_scatter")],
+)
+def test_parity_with_single_process_eager(name: str, world: int, grad_collective: str) -> None:
+    """"auto" is an all-reduce on gloo; the reduce-scatter into the shard view runs too."""
     reference = _train_reference(name)
-    results = run_ranks(world, _train_distributed, name, BUCKET)
+    results = run_ranks(world, _train_distributed, name, BUCKET, grad_collective=grad_collective)
     assert results[0]["buckets"] >= 2
     for rank_result in results:
         torch.testing.assert_close(rank_result["losses"], reference["losses"], atol=1e-5, rtol=0)

@@ -71,6 +71,10 @@ class GradSync:
         self.presence = bytearray(n)
         """``presence[slot]`` is 1 once param ``slot`` got any gradient since the last step."""
         self.presence_tensor = torch.frombuffer(self.presence, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
+        self._own_shards = [b.grad_shards[dp.rank] for b in self.buckets]
+        # a preallocated 0-dim factor: a Python float would be wrapped into a tensor every step
+        device = self.buckets[0].grad_data.device if self.buckets else None
+        self._post_scale = torch.tensor(dp.post_scale, device=device) if dp.post_scale != 1.0 else None
         self.learning = False
         self._accumulating = False
         self._callback_queued = False
@@ -186,14 +190,17 @@ class GradSync:
         self._next = index + 1
         if self.dp.size > 1:
             bucket = self.buckets[index]
-            self._works[index] = self.dp.reduce_scatter_async(bucket.grad_shards[self.dp.rank], bucket.grad_data)
+            self._works[index] = self.dp.reduce_grads_async(bucket.grad_shards[self.dp.rank], bucket.grad_data)
         log.debug("launched reduce-scatter of bucket %d", index)
 
     # ---- step boundary ----------------------------------------------------------
     def finish(self) -> None:
-        """Launch what is left and wait for every reduce-scatter of this step."""
+        """Launch what is left, wait for every reduction of this step, and leave this
+        rank's shards holding the average over ranks."""
         self.launch_all()
         self.finish_launched()
+        if self._post_scale is not None:
+            torch._foreach_mul_(self._own_shards, self._post_scale)
 
     def finish_launched(self) -> None:
         """Wait for the reduce-scatters already launched; launch nothing."""

@@ -34,7 +34,7 @@ from .comm import DataParallelGroup
 from .grad_sync import GradSync
 from .layout import plan_buckets
 from .shards import build_shards
-from .validation import check_group_keys, check_managed_params, check_optimizer_kwargs
+from .validation import check_group_keys, check_managed_params, check_optimizer_kwargs, layout_order
 
 __all__ = ["DistributedOptimizer", "StepResult"]
 
@@ -60,6 +60,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
     with their own hyperparameters, ``named_parameters()`` pairs). ``param_groups``
     holds the model's params and is what LR schedulers edit; the values are copied
     to the wrapped per-rank optimizer at every step.
+
+    Buckets are laid out in reverse param order, which should be the order backward
+    produces gradients. Pass ``module=model`` whenever param groups split the model
+    (weight-decay groups do): the layout then follows the module's registration order,
+    as Megatron-LM's does, instead of group order, which would put first- and
+    last-layer params in one bucket and leave no reduce-scatter to overlap backward.
     """
 
     def __init__(
@@ -69,12 +75,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         *,
         process_group: Optional[dist.ProcessGroup] = None,
         config: Optional[Config] = None,
+        module: Optional[torch.nn.Module] = None,
         **defaults: Any,
     ) -> None:
         self.config = config if config is not None else Config()
         if not isinstance(self.config, Config):
             raise TypeError(f"config must be a fxzero.Config, got {type(self.config).__name__}")
-        self.dp = DataParallelGroup.resolve(process_group)
+        self.dp = DataParallelGroup.resolve(process_group, self.config.grad_collective)
         self._constructing = True
         super().__init__(params, defaults={})
         self._constructing = False
@@ -86,6 +93,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 group.setdefault(name, value)
         self.params = check_managed_params(self.param_groups)
         self.optimizer_class = optimizer_class
+        self._layout = layout_order(self.params, module, len(self.param_groups))
         self._build_runtime()
 
     # ---- construction -----------------------------------------------------------
@@ -114,7 +122,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _build_buffers(self) -> tuple[ParamAndGradBuffer, ...]:
         """One buffer per (param dtype, grad dtype), in order of first appearance."""
         groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for param in self.params:
+        for param in self._layout:
             groups.setdefault(param.dtype, []).append(param)
         bucket_size = self.config.resolved_bucket_size(self.dp.size)
         buffers, first = [], 0

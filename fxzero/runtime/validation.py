@@ -6,11 +6,14 @@ or keyword at fault, so a bad call leaves the model exactly as it was.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import logging
+from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["check_group_keys", "check_managed_params", "check_optimizer_kwargs"]
+__all__ = ["check_group_keys", "check_managed_params", "check_optimizer_kwargs", "layout_order"]
+
+log = logging.getLogger(__name__)
 
 _GROUP_KEYS = ("params", "param_names")
 
@@ -78,3 +81,25 @@ def check_managed_params(groups: Sequence[dict[str, Any]]) -> tuple[torch.Tensor
     if not params:
         raise ValueError("DistributedOptimizer got an empty parameter list")
     return tuple(params)
+
+
+def layout_order(
+    params: Sequence[torch.Tensor], module: Optional[torch.nn.Module], num_groups: int
+) -> tuple[torch.Tensor, ...]:
+    """The order buckets are laid out in: ``module``'s registration order if given
+    (params it does not hold follow, in group order), else group order."""
+    if module is None:
+        if num_groups > 1:
+            log.warning(
+                "fxzero.DistributedOptimizer: %d param groups and no module=...; buckets follow group order, "
+                "which mixes layers and delays reduce-scatters to the end of backward. Pass module=model.",
+                num_groups,
+            )
+        return tuple(params)
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+    rank = {id(p): i for i, p in enumerate(module.parameters())}
+    inside = sorted((p for p in params if id(p) in rank), key=lambda p: rank[id(p)])
+    if not inside:
+        raise ValueError("module holds none of the optimizer's params; pass the model they belong to")
+    return tuple(inside) + tuple(p for p in params if id(p) not in rank)
