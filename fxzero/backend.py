@@ -28,7 +28,8 @@ from .passes import run_backward_passes, run_forward_passes
 from .passes.bucket_reduce_scatter import BucketLaunch, ManagedGrad
 from .runtime.dump import GraphDumper
 from .runtime.grad_sync import GradSync
-from .runtime.ops import GraphBucket, register_graph_bucket
+from .passes.param_gather_wait import GatherWait
+from .runtime.ops import GraphBucket, GraphGather, register_graph_bucket
 
 __all__ = ["BackendOptions", "fxzero_backend"]
 
@@ -69,9 +70,14 @@ def _inner_compile(options: BackendOptions, gm: fx.GraphModule, example_inputs: 
     return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
 
 
-def _owner_sync(param: Any) -> Optional[GradSync]:
+def _owner(param: Any) -> Any:
+    """The live DistributedOptimizer managing ``param``, or None."""
     ref = getattr(param, "_fxzero_owner", None)
-    owner = ref() if ref is not None else None
+    return ref() if ref is not None else None
+
+
+def _owner_sync(param: Any) -> Optional[GradSync]:
+    owner = _owner(param)
     return owner.grad_sync if owner is not None else None
 
 
@@ -81,6 +87,7 @@ class _CompiledGraph:
     def __init__(self, example_inputs: Sequence[Any], options: BackendOptions, dumper: GraphDumper) -> None:
         self.options, self.dumper = options, dumper
         self.syncs: list[GradSync] = []
+        self.owners: list[Any] = []
         self.managed: list[ManagedGrad] = []
         self.params: dict[int, torch.Tensor] = {}
         for position, value in enumerate(example_inputs):
@@ -89,6 +96,7 @@ class _CompiledGraph:
                 continue
             if sync not in self.syncs:
                 self.syncs.append(sync)
+                self.owners.append(_owner(value))
             slot = sync.slot_of[id(value)]
             self.managed.append(ManagedGrad(position, self.syncs.index(sync), sync.bucket_of_slot[slot], slot))
             self.params[position] = value
@@ -106,11 +114,20 @@ class _CompiledGraph:
             sync.register_compiled(g.slot for g in self.managed if g.owner == owner)
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        gm = self.dumper.around("forward", gm, lambda g: run_forward_passes(g, example_inputs))
+        gm = self._forward_passes("forward", gm, example_inputs)
         return self._counting(_inner_compile(self.options, gm, example_inputs, is_backward=False))
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        gm = self._forward_passes("inference", gm, example_inputs)
         return _inner_compile(self.options, gm, example_inputs, is_backward=False)
+
+    def _forward_passes(self, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+        def register_wait(wait: GatherWait) -> int:
+            return register_graph_bucket(GraphGather(self.owners[wait.owner].param_sync, wait.bucket))
+
+        return self.dumper.around(
+            kind, gm, lambda g: run_forward_passes(g, example_inputs, managed=self.managed, register_wait=register_wait)
+        )
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         launches: list[BucketLaunch] = []

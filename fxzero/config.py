@@ -58,8 +58,17 @@ class Config:
     faster on gloo, whose CPU reduce-scatter is itself an all-reduce plus a copy.
     ``"auto"``: all-reduce on gloo, reduce-scatter elsewhere."""
 
+    overlap_param_gather: bool = True
+    """Overlap the param all-gather after ``step()`` with the next forward: the step
+    launches the first bucket's gather, and each bucket is waited right before its first
+    read (compiled graphs: inserted waits; eager modules: forward pre-hooks), launching
+    the next. Needs ``DistributedOptimizer(..., module=model)`` to hook eager regions;
+    without a module, or with ``False``, ``step()`` waits for all gathers itself."""
+
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
+        if not isinstance(self.overlap_param_gather, bool):
+            raise TypeError(f"Config.overlap_param_gather must be a bool, got {self.overlap_param_gather!r}")
         if not isinstance(self.pad_for_high_busbw, bool):
             raise TypeError(f"Config.pad_for_high_busbw must be a bool, got {self.pad_for_high_busbw!r}")
         if self.grad_dtype is not None and self.grad_dtype not in _GRAD_DTYPES:

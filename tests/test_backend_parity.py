@@ -64,7 +64,8 @@ def _train_compiled(run: Run) -> dict:
         opt.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    # model.state_dict() waits for in-flight param all-gathers (a hook fxzero installs)
+    return {"losses": losses, "params": {n: v.clone() for n, v in model.state_dict().items()}}
 
 
 def _train_reference(run: Run) -> dict:

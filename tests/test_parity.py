@@ -43,7 +43,7 @@ def _train_distributed(name: str, bucket_size: int, steps: int = STEPS, grad_col
         losses.append(total.item() / world)
     return {
         "losses": losses,
-        "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "params": {n: v.clone() for n, v in model.state_dict().items()},  # waits for gathers
         "state_bytes": opt.state_bytes,
         "buckets": len(opt.buckets),
     }
@@ -75,7 +75,7 @@ def test_parity_with_single_process_eager(name: str, world: int, grad_collective
     assert results[0]["buckets"] >= 2
     for rank_result in results:
         torch.testing.assert_close(rank_result["losses"], reference["losses"], atol=1e-5, rtol=0)
-        assert rank_result["params"].keys() == reference["params"].keys()
+        assert rank_result["params"].keys() >= reference["params"].keys()
         for key, value in reference["params"].items():
             torch.testing.assert_close(rank_result["params"][key], value, atol=1e-4, rtol=0, msg=key)
     # The loss must actually move, or parity would be vacuous.

@@ -15,6 +15,7 @@ from typing import Any, Callable, Sequence
 import torch.fx as fx
 
 from .bucket_reduce_scatter import bucket_reduce_scatter_pass
+from .param_gather_wait import param_gather_wait_pass
 
 __all__ = ["run_backward_passes", "run_forward_passes"]
 
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 Pass = Callable[..., fx.GraphModule]
 
-FORWARD_PASSES: tuple[Pass, ...] = ()
+FORWARD_PASSES: tuple[Pass, ...] = (param_gather_wait_pass,)
 BACKWARD_PASSES: tuple[Pass, ...] = (bucket_reduce_scatter_pass,)
 
 
@@ -41,8 +42,8 @@ def _run(passes: Sequence[Pass], gm: fx.GraphModule, example_inputs: Sequence[An
     return gm
 
 
-def run_forward_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
-    return _run(FORWARD_PASSES, gm, example_inputs)
+def run_forward_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> fx.GraphModule:
+    return _run(FORWARD_PASSES, gm, example_inputs, **kwargs)
 
 
 def run_backward_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> fx.GraphModule:

@@ -1,5 +1,9 @@
 """Custom ops that compiled graphs call into the runtime with.
 
+``fxzero::wait_params(handle)`` makes one bucket's params current (waits for its
+all-gather, launches the next one) and returns an empty token tensor that the forward
+pass makes every reader of those params depend on (:mod:`fxzero.passes.param_gather_wait`).
+
 ``fxzero::grads_ready(grads, handle)`` adds one bucket's gradients from one backward
 graph into their ``main_grad`` views and reports them to the bucket's
 :class:`~fxzero.runtime.grad_sync.GradSync`, which may launch the bucket's
@@ -18,8 +22,9 @@ import torch
 from torch.fx.node import has_side_effect
 
 from .grad_sync import GradSync
+from .param_sync import ParamSync
 
-__all__ = ["GraphBucket", "register_graph_bucket"]
+__all__ = ["GraphBucket", "GraphGather", "register_graph_bucket"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -38,19 +43,23 @@ class GraphBucket:
         return len(self.main_grads)
 
 
-_graph_buckets: list[GraphBucket] = []
+@dataclasses.dataclass(frozen=True, eq=False)
+class GraphGather:
+    """What one ``fxzero::wait_params`` call site needs."""
+
+    sync: ParamSync
+    bucket: int
+
+
+_graph_buckets: list = []
 _lock = threading.Lock()
 
 
-def register_graph_bucket(entry: GraphBucket) -> int:
+def register_graph_bucket(entry: "GraphBucket | GraphGather") -> int:
     """Store ``entry`` for the lifetime of the process; returns its op handle."""
     with _lock:
         _graph_buckets.append(entry)
         return len(_graph_buckets) - 1
-
-
-def graph_bucket(handle: int) -> GraphBucket:
-    return _graph_buckets[handle]
 
 
 @torch.library.custom_op("fxzero::grads_ready", mutates_args=())
@@ -67,3 +76,19 @@ def _grads_ready_fake(grads: list[torch.Tensor], handle: int) -> None:
 
 
 has_side_effect(torch.ops.fxzero.grads_ready.default)
+
+
+@torch.library.custom_op("fxzero::wait_params", mutates_args=())
+def wait_params(handle: int) -> torch.Tensor:
+    """Wait for one bucket's param all-gather; the empty result orders its readers."""
+    entry = _graph_buckets[handle]
+    entry.sync.wait(entry.bucket)
+    return torch.empty(0)
+
+
+@wait_params.register_fake
+def _wait_params_fake(handle: int) -> torch.Tensor:
+    return torch.empty(0)
+
+
+has_side_effect(torch.ops.fxzero.wait_params.default)

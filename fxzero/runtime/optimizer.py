@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import weakref
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
@@ -32,6 +33,7 @@ from ..config import Config
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
 from .grad_sync import GradSync
+from .param_sync import ParamSync, install_param_waits
 from .layout import plan_buckets
 from .shards import build_shards
 from .validation import check_group_keys, check_managed_params, check_optimizer_kwargs, layout_order
@@ -39,6 +41,8 @@ from .validation import check_group_keys, check_managed_params, check_optimizer_
 __all__ = ["DistributedOptimizer", "StepResult"]
 
 _STATE_FORMAT = "fxzero.DistributedOptimizer/1"
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,6 +99,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self._layout = layout_order(self.params, module, len(self.param_groups))
         self._build_runtime()
+        self._hook_module(module)
 
     # ---- construction -----------------------------------------------------------
     def _build_runtime(self) -> None:
@@ -102,6 +107,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buffers = self._build_buffers()
         self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
         self.grad_sync = GradSync(self.buckets, self.params, self.dp)
+        self.param_sync = ParamSync(self.buckets, self.dp, overlap=self.config.overlap_param_gather)
         self.shards, self.fragments = build_shards(self.buffers, slot_of, self.dp.rank)
         self.local = self._build_local_optimizer(slot_of)
         for slot, param in enumerate(self.params):
@@ -117,7 +123,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._fragment_grads = [f.grad for f in self.fragments]
         self._stats = torch.zeros(len(self.params) + 1, dtype=torch.float64, device=self.params[0].device)
         self._presence = self.grad_sync.presence_tensor
-        self._gathers: list[Optional[dist.Work]] = [None] * len(self.buckets)
+
+    def _hook_module(self, module: Optional[torch.nn.Module]) -> None:
+        """Eager reads of params must wait for their gathers: forward pre-hooks on the
+        modules that own managed params, and a ``state_dict`` pre-hook on the root.
+        Without a module nothing can be hooked, so the step waits for its gathers."""
+        if module is None:
+            if self.config.overlap_param_gather and self.dp.size > 1:
+                log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
+            self.param_sync.overlap = False
+            return
+        handles = install_param_waits(module, self.buckets, self.param_sync)
+        weakref.finalize(self, _remove_handles, handles)
 
     def _build_buffers(self) -> tuple[ParamAndGradBuffer, ...]:
         """One buffer per (param dtype, grad dtype), in order of first appearance."""
@@ -158,6 +175,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.param_sync.finish()  # a bucket the forward never read may still be gathering
         self.grad_sync.finish()
         for shard in self.shards:
             if not shard.main_grad_is_grad:
@@ -217,21 +235,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if not shard.main_is_param:
                 shard.bucket.param_shards[self.dp.rank].copy_(shard.main)
         self.start_param_sync()
-        self.finish_param_sync()
 
     def start_param_sync(self) -> None:
-        """Launch every bucket's param all-gather from its pre-made shard view."""
-        if self.dp.size == 1:
-            return
-        for bucket in self.buckets:
-            self._gathers[bucket.index] = self.dp.all_gather_async(bucket.param_data, bucket.param_shards[self.dp.rank])
+        """Gather every bucket's updated shard from its pre-made view: with
+        ``overlap_param_gather`` only the first is launched (the forward waits and
+        prefetches the rest), otherwise all are gathered before returning."""
+        self.param_sync.start()
 
     def finish_param_sync(self) -> None:
-        """Wait for every in-flight param all-gather (params are current afterwards)."""
-        for index, work in enumerate(self._gathers):
-            if work is not None:
-                work.wait()
-                self._gathers[index] = None
+        """Make every param current (waits for, and launches, the remaining gathers).
+        Call it before reading params outside a forward, e.g. to evaluate them by hand."""
+        self.param_sync.finish()
 
     # ---- gradient accumulation and zeroing --------------------------------------
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
@@ -285,6 +299,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for per_param in self.local.state.values():
             total += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
         return total
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _check_leaves(group: dict[str, Any], group_index: int) -> None:
