@@ -1,0 +1,190 @@
+"""Forward all-gather prefetch: no read of a param before its bucket's wait.
+
+The sharp test replaces the async all-gather by a *deferred* one that moves no data
+until ``wait()``: any compiled kernel or eager module that reads a param before its
+bucket's wait then sees the previous step's values, and the losses leave the eager
+reference at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from expecttest import TestCase
+
+import fxzero
+import fxzero.backend
+from fxzero.runtime.comm import DataParallelGroup
+from fxzero.testing import run_ranks
+
+from models import batch, build, forward_kwargs, loss_fn, param_groups
+
+LR, STEPS, GLOBAL = 3e-2, 6, 8
+
+
+class _DeferredGather:
+    """An all-gather that happens only when waited for (stale data until then)."""
+
+    def __init__(self, dp: DataParallelGroup, output: torch.Tensor, input: torch.Tensor) -> None:
+        self.dp, self.output, self.input = dp, output, input
+
+    def wait(self) -> bool:
+        dist.all_gather_single(self.output, self.input, group=self.dp.group)
+        return True
+
+
+def _deferred(dp: DataParallelGroup, output: torch.Tensor, input: torch.Tensor) -> _DeferredGather:
+    _deferred.launches += 1  # type: ignore[attr-defined]
+    return _DeferredGather(dp, output, input)
+
+
+def _train(name: str, inner: str | None, overlap: bool, deferred: bool, eval_every: int = 0) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(name)
+    config = fxzero.Config(bucket_size=2000, overlap_param_gather=overlap)
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
+    run = torch.compile(model, backend="fxzero", options={"inner_compiler": inner}) if inner else model
+    patch = mock.patch.object(DataParallelGroup, "all_gather_async", _deferred) if deferred else contextlib.nullcontext()
+    losses, evals = [], []
+    _deferred.launches = 0  # type: ignore[attr-defined]
+    with patch:
+        for step in range(STEPS):
+            x, y = batch(name, step, GLOBAL)
+            local = GLOBAL // world
+            xs, ys = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+            loss = loss_fn(name, run(xs, **forward_kwargs(name, step)), ys)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / world)
+            if eval_every and step % eval_every == 0:
+                with torch.no_grad():  # eager eval right after step: module pre-hooks must wait
+                    evals.append(loss_fn(name, model(x), y).item())
+        pending = any(opt.param_sync.pending)
+        params = {n: v.clone() for n, v in model.state_dict().items()}
+    return {"losses": losses, "evals": evals, "params": params, "pending_before_state_dict": pending}
+
+
+def _reference(name: str, eval_every: int = 0) -> dict:
+    model = build(name)
+    opt = torch.optim.AdamW(param_groups(model), lr=LR)
+    losses, evals = [], []
+    for step in range(STEPS):
+        x, y = batch(name, step, GLOBAL)
+        loss = loss_fn(name, model(x, **forward_kwargs(name, step)), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+        if eval_every and step % eval_every == 0:
+            with torch.no_grad():
+                evals.append(loss_fn(name, model(x), y).item())
+    return {"losses": losses, "evals": evals, "params": {n: p.detach() for n, p in model.named_parameters()}}
+
+
+def _assert_matches(result: dict, reference: dict) -> None:
+    torch.testing.assert_close(result["losses"], reference["losses"], atol=1e-5, rtol=0)
+    torch.testing.assert_close(result["evals"], reference["evals"], atol=1e-5, rtol=0)
+    for key, value in reference["params"].items():
+        torch.testing.assert_close(result["params"][key], value, atol=1e-4, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("name", "inner"),
+    [("gpt", "eager"), ("gpt_break", "eager"), ("mlp", None), ("gpt", "inductor")],
+    ids=["compiled-eager", "graph-break-and-eager-head", "no-compile", "compiled-inductor"],
+)
+def test_no_read_before_its_wait_with_deferred_gathers(name: str, inner: str | None) -> None:
+    reference = _reference(name)
+    for result in run_ranks(2, _train, name, inner, True, True, timeout=300):
+        _assert_matches(result, reference)
+
+
+def test_eager_eval_after_step_sees_updated_params() -> None:
+    reference = _reference("gpt", eval_every=2)
+    for result in run_ranks(2, _train, "gpt", "eager", True, True, 2, timeout=300):
+        _assert_matches(result, reference)
+        assert result["pending_before_state_dict"], "a gather should still be in flight after the last step"
+
+
+def test_overlap_on_and_off_give_identical_results() -> None:
+    on = run_ranks(2, _train, "gpt", "eager", True, False, timeout=300)
+    off = run_ranks(2, _train, "gpt", "eager", False, False, timeout=300)
+    for a, b in zip(on, off):
+        assert a["losses"] == b["losses"]
+        assert all(torch.equal(a["params"][k], b["params"][k]) for k in a["params"])
+
+
+def _accumulate_launches() -> tuple[list[int], int]:
+    model = build("gpt")
+    opt = fxzero.DistributedOptimizer(
+        param_groups(model), torch.optim.AdamW, lr=LR, config=fxzero.Config(bucket_size=2000), module=model
+    )
+    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    launches = []
+    with mock.patch.object(DataParallelGroup, "all_gather_async", _deferred):
+        _deferred.launches = 0  # type: ignore[attr-defined]
+        for step in range(2):
+            x, y = batch("gpt", step, 8)
+            for micro in range(4):
+                with opt.no_sync() if micro < 3 else contextlib.nullcontext():
+                    loss_fn("gpt", cmodel(x[2 * micro : 2 * micro + 2]), y[2 * micro : 2 * micro + 2]).backward()
+                launches.append(_deferred.launches)  # type: ignore[attr-defined]
+            opt.step()
+            opt.zero_grad()
+    return launches, len(opt.buckets)
+
+
+def test_gradient_accumulation_gathers_only_after_the_step() -> None:
+    for launches, buckets in run_ranks(2, _accumulate_launches, timeout=300):
+        # (cumulative launch counts after each microbatch) step 1's microbatches see no
+        # gathers; step 1's gathers all happen in step 2's first microbatch, and none is
+        # launched between microbatches after that
+        assert launches[:4] == [0, 0, 0, 0]
+        assert launches[4:] == [buckets] * 4, launches
+
+
+# ---- the rewritten forward graph ------------------------------------------------------
+class TestRewrittenForward(TestCase):
+    def test_each_bucket_is_waited_right_before_its_first_read(self) -> None:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+        opt = fxzero.DistributedOptimizer(
+            model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=64), module=model
+        )
+        self.assertEqual(len(opt.buckets), 2)
+        graphs = []
+        original = fxzero.backend.run_forward_passes
+
+        def capture(gm, example_inputs, **kwargs):  # type: ignore[no-untyped-def]
+            graphs.append(original(gm, example_inputs, **kwargs))
+            return graphs[-1]
+
+        cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+        with mock.patch.object(fxzero.backend, "run_forward_passes", capture):
+            cmodel(torch.randn(5, 4)).sum().backward()
+        code = "\n".join(l for l in graphs[0].code.strip().splitlines() if l.strip() and not l.strip().startswith("#"))
+        code = re.sub(r"wait_params\.default\(\d+\)", "wait_params.default(H)", code)
+        self.assertExpectedInline(code, """\
+def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
+    wait_params_default = torch.ops.fxzero.wait_params.default(H)
+    subgraph_t = self.subgraph_t
+    t = torch.ops.higher_order.control_deps((wait_params_default,), subgraph_t, primals_2);  subgraph_t = primals_2 = None
+    subgraph_addmm = self.subgraph_addmm
+    addmm = torch.ops.higher_order.control_deps((wait_params_default,), subgraph_addmm, primals_3, primals_1, t);  wait_params_default = subgraph_addmm = primals_3 = t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    detach = torch.ops.aten.detach.default(relu)
+    wait_params_default_1 = torch.ops.fxzero.wait_params.default(H)
+    subgraph_t_1 = self.subgraph_t_1
+    t_1 = torch.ops.higher_order.control_deps((wait_params_default_1,), subgraph_t_1, primals_4);  subgraph_t_1 = primals_4 = None
+    subgraph_addmm_1 = self.subgraph_addmm_1
+    addmm_1 = torch.ops.higher_order.control_deps((wait_params_default_1,), subgraph_addmm_1, primals_5, relu, t_1);  wait_params_default_1 = subgraph_addmm_1 = primals_5 = None
+    return (addmm_1, primals_1, relu, detach, t_1)""")
