@@ -25,7 +25,7 @@ from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .passes import run_backward_passes, run_forward_passes
-from .passes.bucket_reduce_scatter import BucketLaunch, ManagedGrad
+from .passes.bucket_reduce_scatter import BucketLaunch, ManagedParam
 from .runtime.dump import GraphDumper
 from .runtime.grad_sync import GradSync
 from .passes.param_gather_wait import GatherWait
@@ -76,30 +76,25 @@ def _owner(param: Any) -> Any:
     return ref() if ref is not None else None
 
 
-def _owner_sync(param: Any) -> Optional[GradSync]:
-    owner = _owner(param)
-    return owner.grad_sync if owner is not None else None
-
-
 class _CompiledGraph:
     """fxzero's state for one Dynamo graph: its managed inputs and its forward counts."""
 
     def __init__(self, example_inputs: Sequence[Any], options: BackendOptions, dumper: GraphDumper) -> None:
         self.options, self.dumper = options, dumper
-        self.syncs: list[GradSync] = []
-        self.owners: list[Any] = []
-        self.managed: list[ManagedGrad] = []
+        self.owners: list[Any] = []  # the DistributedOptimizers whose params this graph reads
+        self.managed: list[ManagedParam] = []
         self.params: dict[int, torch.Tensor] = {}
         for position, value in enumerate(example_inputs):
-            sync = _owner_sync(value)
-            if sync is None:
+            owner = _owner(value)
+            if owner is None:
                 continue
-            if sync not in self.syncs:
-                self.syncs.append(sync)
-                self.owners.append(_owner(value))
-            slot = sync.slot_of[id(value)]
-            self.managed.append(ManagedGrad(position, self.syncs.index(sync), sync.bucket_of_slot[slot], slot))
+            if owner not in self.owners:
+                self.owners.append(owner)
+            slot = owner.grad_sync.slot_of[id(value)]
+            bucket = owner.grad_sync.bucket_of_slot[slot]
+            self.managed.append(ManagedParam(position, self.owners.index(owner), bucket, slot))
             self.params[position] = value
+        self.syncs: list[GradSync] = [owner.grad_sync for owner in self.owners]
         self.forward_counts = self._counts((g.owner, g.bucket) for g in self.managed)
 
     def _counts(self, keys: Any) -> list[tuple[GradSync, list[tuple[int, int]]]]:
@@ -163,7 +158,7 @@ class _CompiledGraph:
 
 
 def _has_unmanaged_trainable_params(example_inputs: Sequence[Any]) -> bool:
-    return any(isinstance(x, torch.nn.Parameter) and x.requires_grad and _owner_sync(x) is None for x in example_inputs)
+    return any(isinstance(x, torch.nn.Parameter) and x.requires_grad and _owner(x) is None for x in example_inputs)
 
 
 def _compile_bound(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable:
@@ -217,7 +212,7 @@ def fxzero_backend(
     if mode is not None:
         raise ValueError(f"fxzero does not take torch.compile(mode={mode!r}); pass options={{'inner_compiler': ...}}")
     opts = BackendOptions.from_mapping(options)
-    positions = [i for i, x in enumerate(example_inputs) if _owner_sync(x) is not None]
+    positions = [i for i, x in enumerate(example_inputs) if _owner(x) is not None]
     if not positions:
         if _has_unmanaged_trainable_params(example_inputs):
             warnings.warn(

@@ -16,20 +16,20 @@ from expecttest import TestCase
 import fxzero
 import fxzero.backend
 from fxzero.backend import BackendOptions
-from fxzero.passes.bucket_reduce_scatter import BucketLaunch, ManagedGrad, plan_launches
+from fxzero.passes.bucket_reduce_scatter import BucketLaunch, ManagedParam, plan_launches
 from fxzero.passes.matchers import is_grads_ready
 
 
 # ---- plans, no graphs -------------------------------------------------------------
 def test_each_launch_goes_after_its_buckets_last_grad() -> None:
-    managed = [ManagedGrad(0, 0, 1, 0), ManagedGrad(1, 0, 1, 1), ManagedGrad(3, 0, 0, 2), ManagedGrad(4, 0, 0, 3)]
+    managed = [ManagedParam(0, 0, 1, 0), ManagedParam(1, 0, 1, 1), ManagedParam(3, 0, 0, 2), ManagedParam(4, 0, 0, 3)]
     plan = plan_launches(managed, producer={0: 10, 1: 7, 3: 5, 4: 6})
     assert plan.launches == (BucketLaunch(0, 0, (3, 4), 6), BucketLaunch(0, 1, (0, 1), 10))
     assert plan.positions == (3, 4, 0, 1)
 
 
 def test_grads_missing_from_the_graph_are_not_planned_and_ties_keep_bucket_order() -> None:
-    managed = [ManagedGrad(0, 0, 2, 0), ManagedGrad(1, 0, 1, 1), ManagedGrad(2, 1, 0, 0)]
+    managed = [ManagedParam(0, 0, 2, 0), ManagedParam(1, 0, 1, 1), ManagedParam(2, 1, 0, 0)]
     plan = plan_launches(managed, producer={0: 4, 1: 4})  # position 2 has no gradient here
     assert [(launch.owner, launch.bucket) for launch in plan.launches] == [(0, 1), (0, 2)]
     assert plan_launches([], producer={}).launches == ()

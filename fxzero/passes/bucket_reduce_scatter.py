@@ -30,11 +30,11 @@ import torch.fx as fx
 
 from .matchers import copy_node_provenance, graph_output, is_grads_ready
 
-__all__ = ["BucketLaunch", "LaunchPlan", "ManagedGrad", "bucket_reduce_scatter_pass", "insert_launches", "plan_launches"]
+__all__ = ["BucketLaunch", "LaunchPlan", "ManagedParam", "bucket_reduce_scatter_pass", "insert_launches", "plan_launches"]
 
 
 @dataclasses.dataclass(frozen=True)
-class ManagedGrad:
+class ManagedParam:
     """A backward output that is the gradient of a managed param."""
 
     position: int
@@ -65,7 +65,7 @@ class LaunchPlan:
         return tuple(p for launch in self.launches for p in launch.positions)
 
 
-def plan_launches(managed: Sequence[ManagedGrad], producer: Mapping[int, int]) -> LaunchPlan:
+def plan_launches(managed: Sequence[ManagedParam], producer: Mapping[int, int]) -> LaunchPlan:
     """Group managed gradients by bucket; each launch goes after its last producer.
 
     ``producer`` maps an output position to the graph index of the node producing it;
@@ -115,7 +115,7 @@ def insert_launches(gm: fx.GraphModule, plan: LaunchPlan, handles: Sequence[int]
     return gm
 
 
-def check_launch_contract(gm: fx.GraphModule, plan: LaunchPlan, managed: Sequence[ManagedGrad]) -> None:
+def check_launch_contract(gm: fx.GraphModule, plan: LaunchPlan, managed: Sequence[ManagedParam]) -> None:
     """Every managed gradient feeds exactly one launch, in the planned order."""
     calls = [n for n in gm.graph.nodes if is_grads_ready(n)]
     if len(calls) != len(plan.launches):
@@ -136,7 +136,7 @@ def bucket_reduce_scatter_pass(
     gm: fx.GraphModule,
     example_inputs: Sequence[object],
     *,
-    managed: Sequence[ManagedGrad],
+    managed: Sequence[ManagedParam],
     register: Callable[[BucketLaunch], int],
 ) -> fx.GraphModule:
     """Plan, register (``register`` returns an op handle per launch), rewrite, check."""

@@ -33,7 +33,7 @@ from torch._guards import detect_fake_mode
 from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
 from torch.utils._ordered_set import OrderedSet
 
-from .bucket_reduce_scatter import ManagedGrad
+from .bucket_reduce_scatter import ManagedParam
 from .matchers import copy_node_provenance, graph_output
 
 __all__ = ["GatherWait", "WaitPlan", "param_gather_wait_pass", "plan_waits"]
@@ -57,7 +57,7 @@ class WaitPlan:
     """By ``before``, then owner and bucket."""
 
 
-def plan_waits(managed: Sequence[ManagedGrad], readers: Mapping[int, Sequence[int]], output: int) -> WaitPlan:
+def plan_waits(managed: Sequence[ManagedParam], readers: Mapping[int, Sequence[int]], output: int) -> WaitPlan:
     """Group the params' readers by bucket; each wait precedes the bucket's first reader
     (or the output node, when the forward only saves the params for backward)."""
     groups: dict[tuple[int, int], list[int]] = {}
@@ -103,7 +103,7 @@ def param_gather_wait_pass(
     gm: fx.GraphModule,
     example_inputs: Sequence[object],
     *,
-    managed: Sequence[ManagedGrad],
+    managed: Sequence[ManagedParam],
     register_wait: Callable[[GatherWait], int],
 ) -> fx.GraphModule:
     """Plan, register (one op handle per wait), rewrite."""
