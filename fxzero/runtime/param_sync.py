@@ -2,9 +2,11 @@
 
 After :meth:`DistributedOptimizer.step` updates this rank's shards, every bucket's
 ``param_data`` must be all-gathered before the model reads it again. With
-``Config.overlap_param_gather`` the step only launches the first gather; the next
-forward waits for each bucket immediately before its first read and launches the
-following one (the prefetch chain, as Megatron-LM's forward pre-hooks do):
+``Config.overlap_param_gather`` the step launches only the first two gathers in
+forward order; the next forward waits for each bucket immediately before its first
+read and makes sure the following one is in flight (the prefetch chain, as
+Megatron-LM's forward pre-hooks do, kept one bucket ahead from the start so that a
+small first bucket, such as the embeddings, does not leave the second one late):
 
 * compiled graphs call ``fxzero::wait_params`` (inserted by
   :mod:`fxzero.passes.param_gather_wait`) before the first node that reads the bucket;
@@ -53,16 +55,21 @@ class ParamSync:
         self._next_launch = n  # position in self.order of the next gather to launch
 
     def start(self) -> None:
-        """The step updated every shard: gather them (prefetch the first, or all and wait)."""
+        """The step updated every shard: gather them (prefetch the first two, or all and wait)."""
         if self.dp.size == 1:
             return
         for index in range(len(self.buckets)):
             self._stale[index] = True
         self._next_launch = 0
         if self.overlap:
-            self._launch_next()
+            self._launch_through(1)
         else:
             self.finish()
+
+    def _launch_through(self, position: int) -> None:
+        """Launch, in forward order, every gather up to ``position`` not launched yet."""
+        while self._next_launch <= min(position, len(self.order) - 1):
+            self._launch_next()
 
     def _launch_next(self) -> None:
         index = self.order[self._next_launch]
@@ -75,10 +82,8 @@ class ParamSync:
         """Bucket ``index`` is about to be read: make it current, prefetch the next."""
         if not self._stale[index]:
             return
-        while self._next_launch <= self._position[index]:
-            self._launch_next()
-        if self._next_launch < len(self.order):
-            self._launch_next()  # the prefetch: overlaps the compute that reads this bucket
+        # this bucket, and the next one (the prefetch, overlapping the compute that reads this one)
+        self._launch_through(self._position[index] + 1)
         work = self._works[index]
         if work is not None:
             work.wait()
