@@ -4,6 +4,7 @@ as a torch.compile backend.
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
 """
 
+from . import mxfp8
 from .config import Config, default_bucket_size
 from .runtime import (
     Bucket,
@@ -28,6 +29,7 @@ __all__ = [
     "ParamAndGradBuffer",
     "StepResult",
     "default_bucket_size",
+    "mxfp8",
     "plan_buckets",
     "shard_buffer",
     "shard_fragments",

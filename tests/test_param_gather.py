@@ -24,7 +24,7 @@ from fxzero.testing import run_ranks
 
 from models import batch, build, forward_kwargs, loss_fn, param_groups
 
-LR, STEPS, GLOBAL = 3e-2, 6, 8
+LR, STEPS, GLOBAL = 1e-2, 10, 8  # a stale read is off by ~LR per element: far above atol
 
 
 class _DeferredGather:
