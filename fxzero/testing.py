@@ -19,6 +19,7 @@ collective also raises on its own.
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import queue
 import sys
 import time
@@ -41,6 +42,7 @@ class RankTimeout(RuntimeError):
 
 
 def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: Any, results: Any, pg_timeout: float) -> None:
+    faulthandler.enable()  # a hard crash still prints where it happened
     sys.path[:] = sys_path
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, world_size + 1, is_master=False, timeout=datetime.timedelta(seconds=60))
@@ -103,6 +105,9 @@ class RankPool:
             except queue.Empty:
                 break
             (values if ok else errors)[rank] = value
+        for rank, proc in enumerate(self._procs):
+            if rank not in values and rank not in errors and not proc.is_alive():
+                errors[rank] = f"rank {rank} process died (exit code {proc.exitcode}) without a Python exception"
         if errors:
             self.close()
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))

@@ -188,3 +188,23 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
     subgraph_addmm_1 = self.subgraph_addmm_1
     addmm_1 = torch.ops.higher_order.control_deps((wait_params_default_1,), subgraph_addmm_1, primals_5, relu, t_1);  wait_params_default_1 = subgraph_addmm_1 = primals_5 = None
     return (addmm_1, primals_1, relu, detach, t_1)""")
+
+
+def _profiled_step() -> tuple[bool, bool]:
+    model = build("gpt")
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model)
+    x, y = batch("gpt", 0, 4)
+    with torch.profiler.profile():
+        loss_fn("gpt", model(x), y).backward()
+        opt.step()
+        pending_under_profiler = any(opt.param_sync.pending)
+    loss_fn("gpt", model(x), y).backward()
+    opt.step()
+    return pending_under_profiler, any(opt.param_sync.pending)
+
+
+def test_no_gather_outlives_a_profiler() -> None:
+    """A profiler stopping while gloo work it saw start is in flight crashed the next wait
+    (torch 2.13): under a profiler the step finishes its gathers; outside, it prefetches."""
+    for under_profiler, outside in run_ranks(2, _profiled_step, timeout=120):
+        assert (under_profiler, outside) == (False, True)

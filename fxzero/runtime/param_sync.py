@@ -61,7 +61,9 @@ class ParamSync:
         for index in range(len(self.buckets)):
             self._stale[index] = True
         self._next_launch = 0
-        if self.overlap:
+        # Under torch.profiler the gathers finish inside the step: a profiler that stops
+        # while gloo work started under it is in flight crashed the next wait (torch 2.13).
+        if self.overlap and not torch._C._autograd._profiler_enabled():
             self._launch_through(1)
         else:
             self.finish()
