@@ -41,15 +41,15 @@ STEPS, RUNS = 20_000, 5
 def _cached(buckets, rank: int, steps: int) -> None:
     for _ in range(steps):
         for b in buckets:
-            g = b.grad_shards[rank]  # reduce-scatter output
-            p = b.param_shards[rank]  # all-gather input
+            g = b.grad_shards[rank]  # noqa: F841 - reduce-scatter output
+            p = b.param_shards[rank]  # noqa: F841 - all-gather input
 
 
 def _sliced(buckets, bounds, steps: int) -> None:
     for _ in range(steps):
         for b, (lo, hi) in zip(buckets, bounds):
-            g = b.grad_data[lo:hi]
-            p = b.param_data[lo:hi]
+            g = b.grad_data[lo:hi]  # noqa: F841
+            p = b.param_data[lo:hi]  # noqa: F841
 
 
 def _median_us_per_step(fn, *args) -> float:

@@ -24,7 +24,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional, Union
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
