@@ -18,6 +18,7 @@ from .runtime import (
     shard_buffer,
     shard_fragments,
 )
+from .runtime.inspect import explain
 
 __all__ = [
     "Bucket",
@@ -29,6 +30,7 @@ __all__ = [
     "ParamAndGradBuffer",
     "StepResult",
     "default_bucket_size",
+    "explain",
     "mxfp8",
     "plan_buckets",
     "shard_buffer",
