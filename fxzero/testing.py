@@ -153,7 +153,3 @@ def close_pools() -> None:
         pool.close()
     _POOLS.clear()
 
-
-def rank_env() -> tuple[int, int]:
-    """(rank, world size) inside a harness function."""
-    return dist.get_rank(), dist.get_world_size()

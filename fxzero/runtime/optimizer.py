@@ -98,8 +98,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = check_managed_params(self.param_groups)
         self.optimizer_class = optimizer_class
         self._layout = layout_order(self.params, module, len(self.param_groups))
+        # Eager reads can only be made to wait through the module's hooks: no module, no overlap.
+        self._overlap = self.config.overlap_param_gather and module is not None
+        if self.config.overlap_param_gather and module is None and self.dp.size > 1:
+            log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
         self._build_runtime()
-        self._hook_module(module)
+        if module is not None:
+            handles = install_param_waits(module, self.buckets, self.param_sync)
+            weakref.finalize(self, _remove_handles, handles)
 
     # ---- construction -----------------------------------------------------------
     def _build_runtime(self) -> None:
@@ -107,7 +113,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buffers = self._build_buffers()
         self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
         self.grad_sync = GradSync(self.buckets, self.params, self.dp)
-        self.param_sync = ParamSync(self.buckets, self.dp, overlap=self.config.overlap_param_gather)
+        self.param_sync = ParamSync(self.buckets, self.dp, overlap=self._overlap)
         self.shards, self.fragments = build_shards(self.buffers, slot_of, self.dp.rank)
         self.local = self._build_local_optimizer(slot_of)
         for slot, param in enumerate(self.params):
@@ -123,18 +129,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._fragment_grads = [f.grad for f in self.fragments]
         self._stats = torch.zeros(len(self.params) + 1, dtype=torch.float64, device=self.params[0].device)
         self._presence = self.grad_sync.presence_tensor
-
-    def _hook_module(self, module: Optional[torch.nn.Module]) -> None:
-        """Eager reads of params must wait for their gathers: forward pre-hooks on the
-        modules that own managed params, and a ``state_dict`` pre-hook on the root.
-        Without a module nothing can be hooked, so the step waits for its gathers."""
-        if module is None:
-            if self.config.overlap_param_gather and self.dp.size > 1:
-                log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
-            self.param_sync.overlap = False
-            return
-        handles = install_param_waits(module, self.buckets, self.param_sync)
-        weakref.finalize(self, _remove_handles, handles)
 
     def _build_buffers(self) -> tuple[ParamAndGradBuffer, ...]:
         """One buffer per (param dtype, grad dtype), in order of first appearance."""
