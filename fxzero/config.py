@@ -65,12 +65,31 @@ class Config:
     the next. Needs ``DistributedOptimizer(..., module=model)`` to hook eager regions;
     without a module, or with ``False``, ``step()`` waits for all gathers itself."""
 
+    mxfp8_param_gather: bool = False
+    """All-gather params as MXFP8 (1 byte per element plus one scale byte per 32, about
+    0.26x of fp32's bytes): each rank quantizes its updated fp32 main shard, the
+    gather moves codes and scales, and each bucket is dequantized into the params, so
+    the model computes on MXFP8-representable weights while the optimizer keeps fp32
+    masters (separate from the params, also for fp32 params). Buckets are padded so
+    every rank's shard is a whole number of 32-element blocks."""
+
+    reuse_grad_buf_for_mxfp8_param_ag: bool = False
+    """Land the MXFP8 gather inside each bucket's own ``grad_data`` memory (viewed as
+    bytes) instead of a separate buffer: the gather then costs no memory. Gradients and
+    gathered params are never live at once: a bucket's region is zeroed right after its
+    params are dequantized, before any gradient is added to it. Needs
+    ``mxfp8_param_gather=True``."""
+
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
-        if not isinstance(self.overlap_param_gather, bool):
-            raise TypeError(f"Config.overlap_param_gather must be a bool, got {self.overlap_param_gather!r}")
-        if not isinstance(self.pad_for_high_busbw, bool):
-            raise TypeError(f"Config.pad_for_high_busbw must be a bool, got {self.pad_for_high_busbw!r}")
+        for name in ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.reuse_grad_buf_for_mxfp8_param_ag and not self.mxfp8_param_gather:
+            raise ValueError(
+                "Config.reuse_grad_buf_for_mxfp8_param_ag=True needs mxfp8_param_gather=True: only the "
+                "MXFP8 gather (about 1.03 bytes per element) is guaranteed to fit in the grad buffer"
+            )
         if self.grad_dtype is not None and self.grad_dtype not in _GRAD_DTYPES:
             raise ValueError(
                 f"Config.grad_dtype must be one of {_GRAD_DTYPES} or None (the param dtype), "
@@ -89,6 +108,11 @@ class Config:
     def resolved_bucket_size(self, dp_size: int) -> Optional[int]:
         """The bucket size in elements for a data-parallel group of ``dp_size`` ranks."""
         return default_bucket_size(dp_size) if self.bucket_size == "auto" else self.bucket_size
+
+    @property
+    def shard_multiple(self) -> int:
+        """Every rank's shard of a bucket is a multiple of this many elements."""
+        return 32 if self.mxfp8_param_gather else 1
 
 
 def _check_bucket_size(value: object) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -76,6 +76,9 @@ class GradSync:
         device = self.buckets[0].grad_data.device if self.buckets else None
         self._post_scale = torch.tensor(dp.post_scale, device=device) if dp.post_scale != 1.0 else None
         self.learning = False
+        self.before_grad_write: Optional[Callable[[int], None]] = None
+        """Called with a bucket index before its grad memory is written or reduced (the
+        MXFP8 gather that reuses the grad buffer lands the bucket there)."""
         self._accumulating = False
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -90,6 +93,8 @@ class GradSync:
         def hook(param: torch.nn.Parameter) -> None:
             if param.grad is None:  # a compiled graph returned None: its op reported it
                 return
+            if self.before_grad_write is not None:
+                self.before_grad_write(self.bucket_of_slot[slot])
             param.main_grad.add_(param.grad)
             param.grad = None
             self.grad_ready(slot)
@@ -186,6 +191,8 @@ class GradSync:
             self._launch(self._next)
 
     def _launch(self, index: int) -> None:
+        if self.before_grad_write is not None:
+            self.before_grad_write(index)
         self._launched[index] = True
         self._next = index + 1
         if self.dp.size > 1:

@@ -89,9 +89,13 @@ class Fragment:
     numel: int
 
 
-def bucket_divisor(dp_size: int, pad_for_high_busbw: bool) -> int:
-    """Each bucket's padded size is a multiple of this (equal shards, aligned shards)."""
-    return math.lcm(dp_size, 128, 2**16) if pad_for_high_busbw else math.lcm(dp_size, 128)
+def bucket_divisor(dp_size: int, pad_for_high_busbw: bool, shard_multiple: int = 1) -> int:
+    """Each bucket's padded size is a multiple of this (equal shards, aligned shards).
+
+    ``shard_multiple`` additionally makes every rank's shard a multiple of it (MXFP8's
+    32-element blocks must not straddle two ranks' shards)."""
+    base = math.lcm(dp_size * shard_multiple, 128)
+    return math.lcm(base, 2**16) if pad_for_high_busbw else base
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -130,6 +134,7 @@ def plan_buckets(
     dp_size: int,
     bucket_size: Optional[int],
     pad_for_high_busbw: bool = False,
+    shard_multiple: int = 1,
 ) -> BufferPlan:
     """Plan Megatron-LM's distributed-optimizer layout for ``params`` (registration order).
 
@@ -140,7 +145,9 @@ def plan_buckets(
         raise ValueError(f"plan_buckets: dp_size must be an int >= 1, got {dp_size!r}")
     if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0):
         raise ValueError(f"plan_buckets: bucket_size must be an int > 0 or None, got {bucket_size!r}")
-    planner = _Planner(len(params), bucket_divisor(dp_size, pad_for_high_busbw))
+    if isinstance(shard_multiple, bool) or not isinstance(shard_multiple, int) or shard_multiple < 1:
+        raise ValueError(f"plan_buckets: shard_multiple must be an int >= 1, got {shard_multiple!r}")
+    planner = _Planner(len(params), bucket_divisor(dp_size, pad_for_high_busbw, shard_multiple))
     position = 0
     for index in reversed(range(len(params))):
         param = params[index]

@@ -66,6 +66,8 @@ def register_graph_bucket(entry: "GraphBucket | GraphGather") -> int:
 def grads_ready(grads: list[torch.Tensor], handle: int) -> None:
     """Add ``grads`` into their ``main_grad`` views; report the bucket's contributions."""
     entry = _graph_buckets[handle]
+    if entry.sync.before_grad_write is not None:
+        entry.sync.before_grad_write(entry.bucket)
     torch._foreach_add_(entry.main_grads, grads)
     entry.sync.compiled_grads_ready(entry.bucket, entry.count, entry.slots)
 

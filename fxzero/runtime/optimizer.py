@@ -11,7 +11,11 @@ A step has three communication phases, all on buffers laid out once at construct
    optimizer state per rank), skipping params that got no gradient on any rank and the
    whole update when the global norm is not finite;
 3. **all-gather**: each bucket's updated param shard is gathered back in place into
-   ``param_data``, which the model's params are views of.
+   ``param_data``, which the model's params are views of. With
+   ``Config.mxfp8_param_gather`` the shard is quantized to MXFP8 first and the gather
+   moves codes and scales (optionally landing in the bucket's own grad memory,
+   ``reuse_grad_buf_for_mxfp8_param_ag``), then each bucket is dequantized into the
+   params right before its first read (:mod:`fxzero.runtime.mxfp8_gather`).
 
 Padding exists so every bucket splits into dp equal, aligned shards; it is zero in both
 buffers, is never handed to the wrapped optimizer, and is excluded from the norm.
@@ -33,7 +37,8 @@ from ..config import Config
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
 from .grad_sync import GradSync
-from .param_sync import ParamSync, install_param_waits
+from .mxfp8_gather import Mxfp8Gather
+from .param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .layout import plan_buckets
 from .shards import build_shards
 from .validation import check_group_keys, check_managed_params, check_optimizer_kwargs, layout_order
@@ -113,8 +118,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.buffers = self._build_buffers()
         self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
         self.grad_sync = GradSync(self.buckets, self.params, self.dp)
-        self.param_sync = ParamSync(self.buckets, self.dp, overlap=self._overlap)
-        self.shards, self.fragments = build_shards(self.buffers, slot_of, self.dp.rank)
+        self.gather = self._build_gather()
+        self.param_sync = ParamSync(self.buckets, self.dp, overlap=self._overlap, gather=self.gather)
+        self._reuse = self.config.reuse_grad_buf_for_mxfp8_param_ag
+        if self._reuse:  # gather bytes sit in the grad buffer: land a bucket before touching its grads
+            self.grad_sync.before_grad_write = self.param_sync.wait
+        separate = self.config.mxfp8_param_gather
+        self.shards, self.fragments = build_shards(self.buffers, slot_of, self.dp.rank, separate_mains=separate)
         self.local = self._build_local_optimizer(slot_of)
         for slot, param in enumerate(self.params):
             param._fxzero_owner = weakref.ref(self)
@@ -130,6 +140,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stats = torch.zeros(len(self.params) + 1, dtype=torch.float64, device=self.params[0].device)
         self._presence = self.grad_sync.presence_tensor
 
+    def _build_gather(self) -> Gather:
+        if not self.config.mxfp8_param_gather:
+            return PlainGather(self.buckets, self.dp)
+        return Mxfp8Gather(self.buckets, self.dp, reuse_grad_buffer=self.config.reuse_grad_buf_for_mxfp8_param_ag)
+
     def _build_buffers(self) -> tuple[ParamAndGradBuffer, ...]:
         """One buffer per (param dtype, grad dtype), in order of first appearance."""
         groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
@@ -139,7 +154,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         buffers, first = [], 0
         for params in groups.values():
             plan = plan_buckets(
-                params, dp_size=self.dp.size, bucket_size=bucket_size, pad_for_high_busbw=self.config.pad_for_high_busbw
+                params,
+                dp_size=self.dp.size,
+                bucket_size=bucket_size,
+                pad_for_high_busbw=self.config.pad_for_high_busbw,
+                shard_multiple=self.config.shard_multiple,
             )
             buffers.append(ParamAndGradBuffer(params, plan, grad_dtype=self.config.grad_dtype, first_bucket_index=first))
             first += len(plan.buckets)
@@ -226,8 +245,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _write_back_and_gather(self) -> None:
         for shard in self.shards:
-            if not shard.main_is_param:
-                shard.bucket.param_shards[self.dp.rank].copy_(shard.main)
+            self.gather.publish(shard.bucket.index, shard.main)
         self.start_param_sync()
 
     def start_param_sync(self) -> None:
@@ -251,8 +269,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Zero the flat grad buffers (``main_grad``). Managed params' ``.grad`` is always
         ``None`` (gradients live in ``main_grad``), so ``set_to_none`` changes nothing."""
         self.grad_sync.finish_launched()
-        for buffer in self.buffers:
-            buffer.grad_data.zero_()
+        if self._reuse:
+            # a bucket whose gather is pending holds gather bytes: landing zeroes it
+            for bucket in self.buckets:
+                if not self.param_sync.is_pending(bucket.index):
+                    bucket.grad_data.zero_()
+        else:
+            for buffer in self.buffers:
+                buffer.grad_data.zero_()
         self.grad_sync.reset()
 
     # ---- state ------------------------------------------------------------------
@@ -274,17 +298,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.local.load_state_dict(state_dict["local"])
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)
+        self.finish_param_sync()  # nothing in flight may land over the loaded values
         separate = [s for s in self.shards if not s.main_is_param]
         for shard, saved in zip(separate, state_dict["main_shards"]):
             shard.main.copy_(saved)
-            shard.bucket.param_shards[self.dp.rank].copy_(shard.main)
-        self.start_param_sync()
+        self._write_back_and_gather()
         self.finish_param_sync()
 
     def _layout_key(self) -> list[tuple[str, int, list[tuple[int, int]]]]:
         return [
             (str(b.param_dtype), b.plan.numel, [(s.start, s.end) for s in b.plan.buckets]) for b in self.buffers
         ]
+
+    @property
+    def runtime_bytes(self) -> int:
+        """Bytes of the runtime's own buffers on this rank: flat param and grad buffers
+        plus the MXFP8 gather's (zero rows when they reuse the grad buffer)."""
+        return sum(b.nbytes for b in self.buffers) + self.gather.nbytes
 
     @property
     def state_bytes(self) -> int:

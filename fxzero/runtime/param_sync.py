@@ -18,13 +18,18 @@ them in *descending* index order. Launches always follow that fixed order: waiti
 for a bucket first launches every earlier one not launched yet, then one more (the
 prefetch). The sequence of collectives is therefore the same on every rank whatever
 order the model happens to read buckets in.
+
+**What a gather moves** is up to a gather object: :class:`PlainGather` gathers the param
+shards themselves in place; :class:`~fxzero.runtime.mxfp8_gather.Mxfp8Gather` gathers
+MXFP8 codes and *lands* each bucket (dequantizes it into the params) after its wait.
+ParamSync only orders launches, waits and landings.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -32,18 +37,60 @@ import torch.distributed as dist
 from .buffers import Bucket
 from .comm import DataParallelGroup
 
-__all__ = ["ParamSync", "install_param_waits"]
+__all__ = ["Gather", "ParamSync", "PlainGather", "install_param_waits"]
 
 log = logging.getLogger(__name__)
+
+
+class Gather(Protocol):
+    """How one bucket's updated shard reaches every rank's params."""
+
+    needs_landing: bool
+    """True when params are only current after :meth:`land` (then even world size 1 runs it)."""
+
+    def publish(self, index: int, main: torch.Tensor) -> None:
+        """Put this rank's updated fp32 main shard of bucket ``index`` where the gather reads it."""
+
+    def launch(self, index: int) -> Optional[dist.Work]: ...
+
+    def land(self, index: int) -> None:
+        """Bucket ``index``'s gather finished: make its params current."""
+
+
+class PlainGather:
+    """Gather each bucket's param shards into ``param_data`` in place."""
+
+    needs_landing = False
+
+    def __init__(self, buckets: Sequence[Bucket], dp: DataParallelGroup) -> None:
+        self.buckets, self.dp = tuple(buckets), dp
+        self._inputs = [b.param_shards[dp.rank] for b in self.buckets]
+
+    def publish(self, index: int, main: torch.Tensor) -> None:
+        if main is not self._inputs[index]:  # fp32 params: the main shard is the param shard
+            self._inputs[index].copy_(main)
+
+    def launch(self, index: int) -> Optional[dist.Work]:
+        if self.dp.size == 1:
+            return None
+        return self.dp.all_gather_async(self.buckets[index].param_data, self._inputs[index])
+
+    def land(self, index: int) -> None:
+        pass
+
+    nbytes = 0
 
 
 class ParamSync:
     """All-gather state of a fixed list of buckets for one step."""
 
-    def __init__(self, buckets: Sequence[Bucket], dp: DataParallelGroup, *, overlap: bool) -> None:
+    def __init__(
+        self, buckets: Sequence[Bucket], dp: DataParallelGroup, *, overlap: bool, gather: Optional[Gather] = None
+    ) -> None:
         self.buckets = tuple(buckets)
         self.dp = dp
         self.overlap = overlap
+        self.gather = gather if gather is not None else PlainGather(buckets, dp)
         n = len(self.buckets)
         self.order = tuple(reversed(range(n)))
         """Forward (first-use) order: descending bucket index."""
@@ -56,7 +103,7 @@ class ParamSync:
 
     def start(self) -> None:
         """The step updated every shard: gather them (prefetch the first two, or all and wait)."""
-        if self.dp.size == 1:
+        if self.dp.size == 1 and not self.gather.needs_landing:
             return
         for index in range(len(self.buckets)):
             self._stale[index] = True
@@ -76,8 +123,7 @@ class ParamSync:
     def _launch_next(self) -> None:
         index = self.order[self._next_launch]
         self._next_launch += 1
-        bucket = self.buckets[index]
-        self._works[index] = self.dp.all_gather_async(bucket.param_data, bucket.param_shards[self.dp.rank])
+        self._works[index] = self.gather.launch(index)
         log.debug("launched all-gather of bucket %d", index)
 
     def wait(self, index: int) -> None:
@@ -90,6 +136,7 @@ class ParamSync:
         if work is not None:
             work.wait()
             self._works[index] = None
+        self.gather.land(index)
         self._stale[index] = False
 
     def wait_many(self, indices: Sequence[int]) -> None:
@@ -100,6 +147,10 @@ class ParamSync:
         """Make every bucket current (launching what is left, in order)."""
         for index in self.order:
             self.wait(index)
+
+    def is_pending(self, index: int) -> bool:
+        """Whether bucket ``index`` still waits for (or has not landed) this step's gather."""
+        return self._stale[index]
 
     @property
     def pending(self) -> tuple[bool, ...]:

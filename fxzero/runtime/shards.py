@@ -3,8 +3,9 @@
 For each bucket, a rank owns one contiguous shard. :class:`BucketShard` holds:
 
 * ``main`` - fp32 master values of the shard. For fp32 params it *is* the param
-  buffer's shard view (no copy, no copy-back); for bf16/fp16 params it is a separate
-  fp32 tensor that is written back into the param shard after every update.
+  buffer's shard view (no copy, no copy-back); for bf16/fp16 params, and for every
+  param when the gather is lossy (MXFP8), it is a separate fp32 tensor that is
+  published to the gather after every update.
 * ``main_grad`` - fp32 gradients of the shard. For an fp32 grad buffer it *is* the grad
   buffer's shard view, the reduce-scatter's output; otherwise an fp32 copy.
 
@@ -47,13 +48,13 @@ class FragmentTensor:
     grad: torch.Tensor
 
 
-def _bucket_shard(bucket: Bucket, rank: int) -> BucketShard:
+def _bucket_shard(bucket: Bucket, rank: int, separate_mains: bool) -> BucketShard:
     param_shard, grad_shard = bucket.param_shards[rank], bucket.grad_shards[rank]
-    main_is_param = param_shard.dtype == torch.float32
+    main_is_param = param_shard.dtype == torch.float32 and not separate_mains
     main_grad_is_grad = grad_shard.dtype == torch.float32
     return BucketShard(
         bucket=bucket,
-        main=param_shard if main_is_param else param_shard.detach().float(),
+        main=param_shard if main_is_param else param_shard.detach().to(torch.float32, copy=True),
         main_grad=grad_shard if main_grad_is_grad else torch.zeros_like(grad_shard, dtype=torch.float32),
         main_is_param=main_is_param,
         main_grad_is_grad=main_grad_is_grad,
@@ -61,13 +62,15 @@ def _bucket_shard(bucket: Bucket, rank: int) -> BucketShard:
 
 
 def build_shards(
-    buffers: Sequence[ParamAndGradBuffer], slot_of: dict[int, int], rank: int
+    buffers: Sequence[ParamAndGradBuffer], slot_of: dict[int, int], rank: int, *, separate_mains: bool = False
 ) -> tuple[tuple[BucketShard, ...], tuple[FragmentTensor, ...]]:
-    """Make this rank's bucket shards and fragment tensors, in bucket order."""
+    """Make this rank's bucket shards and fragment tensors, in bucket order.
+    ``separate_mains`` keeps fp32 masters apart from fp32 params too (a lossy gather
+    overwrites the param shard)."""
     shards: list[BucketShard] = []
     fragments: list[FragmentTensor] = []
     for buffer in buffers:
-        local = [_bucket_shard(bucket, rank) for bucket in buffer.buckets]
+        local = [_bucket_shard(bucket, rank, separate_mains) for bucket in buffer.buckets]
         shards.extend(local)
         for frag in shard_fragments(buffer.plan, rank):
             shard = local[frag.bucket_id]

@@ -1,0 +1,138 @@
+"""The MXFP8 param all-gather: quantized shards in, dequantized params out.
+
+With ``Config.mxfp8_param_gather`` a bucket's gather moves MXFP8 codes and scales
+(33 bytes per 32 elements, 0.26x of fp32) instead of param values:
+
+1. **publish** (in ``step()``): this rank quantizes its updated fp32 main shard straight
+   into its own row of the gather destination, ``[codes (S bytes) | scales (S/32 bytes)]``
+   for a shard of ``S`` elements, so the row is the all-gather's input, in place;
+2. **launch**: one in-place ``all_gather_single`` of the rows (uint8);
+3. **land** (when the bucket is waited, right before its first read): every rank's row
+   is dequantized into the bucket's ``param_data`` with two copies and a multiply on
+   views made at construction.
+
+Where the destination lives is the point of ``reuse_grad_buf_for_mxfp8_param_ag``:
+with it, the rows are the first ``33/32 * numel`` bytes of the bucket's own
+``grad_data`` (fp32 or 16-bit: always big enough), viewed as bytes, and landing zeroes
+that bucket's grad region afterwards, so no gradient is ever added onto gather bytes.
+Gradients and gathered params are not live at once: a bucket is landed before its
+first read in the forward, and the runtime lands any bucket still pending before a
+gradient is written to it or it is reduced (see :class:`~fxzero.runtime.grad_sync.GradSync`).
+Without reuse the rows live in one separate byte buffer.
+
+Only :meth:`publish` allocates (the quantizer's float32 temporary of one shard); the
+block scale factors are decoded into one preallocated scratch shared by all buckets,
+which is safe because buckets land one at a time on the thread that runs the model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import mxfp8
+from .buffers import Bucket
+from .comm import DataParallelGroup
+
+__all__ = ["Mxfp8Gather", "payload_bytes"]
+
+_BLOCK = mxfp8.BLOCK_SIZE
+
+
+def payload_bytes(numel: int) -> int:
+    """Bytes one MXFP8 gather of ``numel`` elements moves: a code byte per element and
+    a scale byte per 32."""
+    return numel + numel // _BLOCK
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _BucketViews:
+    """Views of one bucket's gather, made once."""
+
+    send: torch.Tensor
+    """uint8, this rank's row: the all-gather's input (a view of ``dest``)."""
+    dest: torch.Tensor
+    """uint8, every rank's row: the all-gather's output."""
+    own_codes: torch.Tensor
+    own_scales: torch.Tensor
+    codes: torch.Tensor
+    """float8_e4m3fn ``[dp, S/32, 32]`` views of every row's codes."""
+    scales: torch.Tensor
+    """float8_e8m0fnu ``[dp, S/32, 1]`` views of every row's scales."""
+    factors: torch.Tensor
+    """float32 ``[dp, S/32, 1]`` scratch the scales are decoded into."""
+    params: torch.Tensor
+    """The bucket's ``param_data`` as ``[dp, S/32, 32]``."""
+    grads: Optional[torch.Tensor]
+    """The bucket's ``grad_data`` when the rows live in it (zeroed after landing)."""
+
+
+class Mxfp8Gather:
+    """Per-bucket MXFP8 gathers for one optimizer (see the module docstring)."""
+
+    needs_landing = True
+
+    def __init__(self, buckets: Sequence[Bucket], dp: DataParallelGroup, *, reuse_grad_buffer: bool) -> None:
+        self.dp = dp
+        self.reuse_grad_buffer = reuse_grad_buffer
+        sizes = [payload_bytes(b.param_data.numel()) for b in buckets]
+        device = buckets[0].param_data.device if buckets else None
+        self.buffer: Optional[torch.Tensor] = None
+        if not reuse_grad_buffer:
+            self.buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        scratch_numel = max((b.param_data.numel() // _BLOCK for b in buckets), default=0)
+        self.scratch = torch.empty(scratch_numel, dtype=torch.float32, device=device)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        self.views = tuple(self._views(b, offset, size) for b, offset, size in zip(buckets, offsets, sizes))
+
+    def _views(self, bucket: Bucket, offset: int, size: int) -> _BucketViews:
+        dp, numel = self.dp.size, bucket.param_data.numel()
+        shard, blocks = numel // dp, numel // dp // _BLOCK
+        if self.buffer is None:
+            dest = bucket.grad_data.view(torch.uint8)[:size]
+        else:
+            dest = self.buffer[offset : offset + size]
+        rows = dest.view(dp, size // dp)
+        send = rows[self.dp.rank]
+        return _BucketViews(
+            send=send,
+            dest=dest,
+            own_codes=send[:shard].view(torch.float8_e4m3fn),
+            own_scales=send[shard:].view(torch.float8_e8m0fnu),
+            codes=rows[:, :shard].view(torch.float8_e4m3fn).view(dp, blocks, _BLOCK),
+            scales=rows[:, shard:].view(torch.float8_e8m0fnu).unsqueeze(-1),
+            factors=self.scratch[: dp * blocks].view(dp, blocks, 1),
+            params=bucket.param_data.view(dp, blocks, _BLOCK),
+            grads=bucket.grad_data if self.buffer is None else None,
+        )
+
+    def publish(self, index: int, main: torch.Tensor) -> None:
+        """Quantize this rank's updated fp32 main shard into its row of bucket ``index``."""
+        views = self.views[index]
+        mxfp8.quantize(main, out=(views.own_codes, views.own_scales))
+
+    def launch(self, index: int) -> Optional[dist.Work]:
+        if self.dp.size == 1:
+            return None
+        views = self.views[index]
+        return self.dp.all_gather_async(views.dest, views.send)
+
+    def land(self, index: int) -> None:
+        """Dequantize every rank's row into the params; free the grad region for gradients."""
+        views = self.views[index]
+        views.factors.copy_(views.scales)  # E8M0 -> 2^(e-127), NaN for the NaN scale
+        views.params.copy_(views.codes)  # exact: E4M3 values fit fp32, bf16 and fp16
+        views.params.mul_(views.factors)
+        if views.grads is not None:
+            views.grads.zero_()
+
+    @property
+    def nbytes(self) -> int:
+        """Memory this gather adds to the runtime: the separate rows (unless reused) and the scratch."""
+        return (self.buffer.nbytes if self.buffer is not None else 0) + self.scratch.nbytes
+
+    def bytes_per_gather(self, index: int) -> int:
+        return self.views[index].dest.nbytes
