@@ -99,3 +99,14 @@ def test_cli_explains_a_module_target_with_its_optimizer(
     out = capsys.readouterr().out
     assert out.startswith("fxzero buckets (dp=1): 1 bucket, 6 param elements in 128 buffer elements")
     assert "def forward(self, weight, bias, primals_3):" in out
+
+
+def test_readme_shows_the_real_explain_output(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(ROOT)
+    command = "python -m fxzero explain examples/explain_mlp.py --bucket-size 5000 --world-size 2"
+    readme = (ROOT / "README.md").read_text()
+    shown = readme.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
+    assert main(command.split()[3:]) == 0
+    assert capsys.readouterr().out == shown
