@@ -20,6 +20,21 @@ from .runtime import (
 )
 from .runtime.inspect import explain
 
+
+def _register_torch_logs() -> None:
+    """``TORCH_LOGS="fxzero"`` shows what each compile inserted, for which bucket (INFO);
+    ``"+fxzero"`` adds each pass's time and node count (DEBUG). Torch already resolves
+    the name as a module path when it parses ``TORCH_LOGS``; registering it as well
+    makes ``fxzero`` one of torch's registered logs, so ``torch._logging.set_logs()``
+    and torch's later re-inits configure it like torch's own components."""
+    from torch._logging._internal import log_registry, register_log
+
+    if not log_registry.is_log("fxzero"):
+        register_log("fxzero", "fxzero")
+
+
+_register_torch_logs()
+
 __all__ = [
     "Bucket",
     "BucketPlan",

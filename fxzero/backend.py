@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
-from typing import Any, Callable, Literal, Mapping, Optional, Sequence
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -26,7 +27,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from .passes import run_backward_passes, run_forward_passes
 from .passes.bucket_reduce_scatter import BucketLaunch, ManagedParam
-from .runtime.dump import GraphDumper
+from .runtime.dump import GraphDumper, input_names
 from .runtime.grad_sync import GradSync
 from .passes.param_gather_wait import GatherWait
 from .runtime.ops import GraphBucket, GraphGather, register_graph_bucket
@@ -43,13 +44,15 @@ class BackendOptions:
     inner_compiler: Literal["inductor", "eager"] = "inductor"
     """``"inductor"`` compiles the rewritten graphs to kernels; ``"eager"`` runs them as
     FX code (fast to compile, for debugging and most tests)."""
-    dump_dir: Optional[str] = None
-    """Write every graph before and after fxzero's passes here as readable ``.py`` files."""
+    dump_dir: Union[str, "os.PathLike[str]", None] = None
+    """Write every graph before and after each of fxzero's passes here as readable
+    ``.py`` files, with diffs and a JSON summary (:mod:`fxzero.runtime.dump`). Unset:
+    ``$FXZERO_DUMP_DIR``, if set."""
 
     def __post_init__(self) -> None:
         if self.inner_compiler not in ("inductor", "eager"):
             raise ValueError(f"fxzero option 'inner_compiler' must be 'inductor' or 'eager', got {self.inner_compiler!r}")
-        if self.dump_dir is not None and not isinstance(self.dump_dir, str):
+        if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"fxzero option 'dump_dir' must be a path string, got {self.dump_dir!r}")
 
     @classmethod
@@ -79,8 +82,8 @@ def _owner(param: Any) -> Any:
 class _CompiledGraph:
     """fxzero's state for one Dynamo graph: its managed inputs and its forward counts."""
 
-    def __init__(self, example_inputs: Sequence[Any], options: BackendOptions, dumper: GraphDumper) -> None:
-        self.options, self.dumper = options, dumper
+    def __init__(self, example_inputs: Sequence[Any], options: BackendOptions, names: Sequence[str]) -> None:
+        self.options = options
         self.owners: list[Any] = []  # the DistributedOptimizers whose params this graph reads
         self.managed: list[ManagedParam] = []
         self.params: dict[int, torch.Tensor] = {}
@@ -96,6 +99,7 @@ class _CompiledGraph:
             self.params[position] = value
         self.syncs: list[GradSync] = [owner.grad_sync for owner in self.owners]
         self.forward_counts = self._counts((g.owner, g.bucket) for g in self.managed)
+        self.dumper = GraphDumper(options.dump_dir, self.owners, self.managed, names)
 
     def _counts(self, keys: Any) -> list[tuple[GradSync, list[tuple[int, int]]]]:
         per_owner: dict[int, dict[int, int]] = {}
@@ -121,7 +125,11 @@ class _CompiledGraph:
             return register_graph_bucket(GraphGather(self.owners[wait.owner].param_sync, wait.bucket))
 
         return self.dumper.around(
-            kind, gm, lambda g: run_forward_passes(g, example_inputs, managed=self.managed, register_wait=register_wait)
+            kind,
+            gm,
+            lambda g, observe: run_forward_passes(
+                g, example_inputs, observe=observe, managed=self.managed, register_wait=register_wait
+            ),
         )
 
     def compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
@@ -132,7 +140,9 @@ class _CompiledGraph:
             return register_graph_bucket(self._graph_bucket(launch))
 
         gm = self.dumper.around(
-            "backward", gm, lambda g: run_backward_passes(g, example_inputs, managed=self.managed, register=register)
+            "backward",
+            gm,
+            lambda g, observe: run_backward_passes(g, example_inputs, observe=observe, managed=self.managed, register=register),
         )
         # Only gradients this graph really produces are expected from its forward runs.
         self.forward_counts = self._counts(
@@ -163,8 +173,7 @@ def _has_unmanaged_trainable_params(example_inputs: Sequence[Any]) -> bool:
 
 def _compile_bound(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable:
     """AOT-compile ``gm`` with its managed-param bindings taken from ``example_inputs``."""
-    dumper = GraphDumper(opts.dump_dir)
-    graph = _CompiledGraph(example_inputs, opts, dumper)
+    graph = _CompiledGraph(example_inputs, opts, input_names(gm))
     graph.register_with_runtime()
     inductor = opts.inner_compiler == "inductor"
     decompositions = None

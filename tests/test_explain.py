@@ -1,11 +1,13 @@
-"""fxzero.explain: the bucket table, marked graphs and schedule, with no training effect."""
+"""fxzero.explain: golden text for two fixed models, graph breaks, no training effect."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from expecttest import TestCase
 
 import fxzero
+from models import GPT, GPTArgs
 
 
 def _mlp_and_optimizer() -> tuple[torch.nn.Module, fxzero.DistributedOptimizer]:
@@ -28,46 +30,158 @@ class _Broken(torch.nn.Module):
         return self.fc2(x)
 
 
-def _section(text: str, title: str) -> str:
-    return next(s for s in text.split("\n\n") if s.startswith(title))
+def _assert_untouched(model: torch.nn.Module, opt: fxzero.DistributedOptimizer, before: list[torch.Tensor]) -> None:
+    for p, old in zip(model.parameters(), before):
+        assert torch.equal(p.detach(), old)
+        assert torch.count_nonzero(p.main_grad) == 0
+    assert not any(opt.grad_sync.launched)
 
 
 class TestExplain(TestCase):
-    def test_mlp_table_graph_marks_schedule_and_no_side_effects(self) -> None:
+    def test_mlp_golden_and_no_side_effects(self) -> None:
         model, opt = _mlp_and_optimizer()
         before = [p.detach().clone() for p in model.parameters()]
         text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
-        self.assertExpectedInline(
-            _section(text, "fxzero buckets"),
-            """\
-fxzero buckets (dp=1)
-|   bucket |   params | first param   | last param   |   numel |   padded |   pad % |   shard numel | shard % 2^16 == 0   |   RS bytes |   AG bytes | dtype (param/grad)   |
-|----------|----------|---------------|--------------|---------|----------|---------|---------------|---------------------|------------|------------|----------------------|
-|        0 |        2 | 2.bias        | 2.weight     |      82 |      128 |    35.9 |           128 | no                  |        512 |        512 | float32/float32      |
-|        1 |        2 | 0.bias        | 0.weight     |      88 |      128 |    31.2 |           128 | no                  |        512 |        512 | float32/float32      |""",
-        )
-        schedule = _section(text, "schedule").splitlines()
-        assert schedule[1].startswith("bucket 0: reduce-scatter launches in graph 0 backward at node ")
-        assert schedule[2].startswith("bucket 1: reduce-scatter launches in graph 0 backward at node ")
-        assert all("all-gather waited in graph 0 forward at node " in line for line in schedule[1:3])
-        assert schedule[3] == "buckets spanning several graphs: none"
-        assert "# primals_2 = 0.weight (bucket 1)" in text and "# primals_5 = 2.bias (bucket 0)" in text
-        assert text.count("# <- fxzero: wait for bucket") == 2
-        assert text.count("# <- fxzero: bucket") == 2 and "bucket 1 reduce-scatter launch" in text
-        for p, old in zip(model.parameters(), before):
-            assert torch.equal(p.detach(), old)
-            assert torch.count_nonzero(p.main_grad) == 0
-        assert not any(opt.grad_sync.launched)
+        self.assertExpectedInline(text, """\
+fxzero buckets (dp=1): 2 buckets, 51 param elements in 256 buffer elements (80.1% padding: param starts aligned to 64, buckets to dp shards)
+|   bucket |   params | first param   | last param   |   numel |   padded |   pad % |   shard numel | shard % 2^16 == 0   |   RS bytes |   AG bytes | dtype (param/grad)   |   graphs |
+|----------|----------|---------------|--------------|---------|----------|---------|---------------|---------------------|------------|------------|----------------------|----------|
+|        0 |        2 | 2.bias        | 2.weight     |      21 |      128 |    83.6 |           128 | no                  |        512 |        512 | float32/float32      |        0 |
+|        1 |        2 | 0.bias        | 0.weight     |      30 |      128 |    76.6 |           128 | no                  |        512 |        512 | float32/float32      |        0 |
 
-    def test_graph_break_bucket_spans_both_graphs(self) -> None:
+== graph 0: 4 params of buckets 0, 1 ==
+# primals_2 = 0.weight (bucket 1)
+# primals_3 = 0.bias (bucket 1)
+# primals_4 = 2.weight (bucket 0)
+# primals_5 = 2.bias (bucket 0)
+-- graph 0 forward, after fxzero's passes (18 nodes; frees omitted) --
+def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias):
+    ag_wait_bucket1 = torch.ops.fxzero.wait_params.default(<bucket 1>)  # <- fxzero: wait for bucket 1's all-gather (and launch the next)
+    t = torch.ops.higher_order.control_deps((ag_wait_bucket1,), subgraph_t, 0.weight)
+    addmm = torch.ops.higher_order.control_deps((ag_wait_bucket1,), subgraph_addmm, 0.bias, primals_1, t)
+    relu = torch.ops.aten.relu.default(addmm)
+    detach = torch.ops.aten.detach.default(relu)
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default(<bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    t_1 = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_t_1, 2.weight)
+    addmm_1 = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_addmm_1, 2.bias, relu, t_1)
+    return (addmm_1, primals_1, relu, detach, t_1)
+-- graph 0 backward, after fxzero's passes (24 nodes; frees omitted) --
+def forward(self, primals_1, relu, detach, t_1, tangents_1):
+    t_2 = torch.ops.aten.t.default(t_1)
+    mm = torch.ops.aten.mm.default(tangents_1, t_2)
+    t_3 = torch.ops.aten.t.default(tangents_1)
+    mm_1 = torch.ops.aten.mm.default(t_3, relu)
+    t_4 = torch.ops.aten.t.default(mm_1)
+    sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True)
+    view = torch.ops.aten.view.default(sum_1, [3])
+    t_5 = torch.ops.aten.t.default(t_4)
+    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_5, view], <bucket 0>)  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
+    detach_1 = torch.ops.aten.detach.default(detach)
+    threshold_backward = torch.ops.aten.threshold_backward.default(mm, detach_1, 0)
+    t_6 = torch.ops.aten.t.default(threshold_backward)
+    mm_2 = torch.ops.aten.mm.default(t_6, primals_1)
+    t_7 = torch.ops.aten.t.default(mm_2)
+    sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True)
+    view_1 = torch.ops.aten.view.default(sum_2, [6])
+    t_8 = torch.ops.aten.t.default(t_7)
+    rs_launch_bucket1 = torch.ops.fxzero.grads_ready.default([t_8, view_1], <bucket 1>)  # <- fxzero: launch bucket 1's reduce-scatter (its grads from this graph are in)
+    return (None, None, None, None, None)
+
+schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)
+bucket 0: reduce-scatter launches in graph 0 backward at node 13/24 (54%); all-gather waited in graph 0 forward at node 12/18 (67%)
+bucket 1: reduce-scatter launches in graph 0 backward at node 22/24 (92%); all-gather waited in graph 0 forward at node 5/18 (28%)
+buckets spanning several graphs: none
+""")
+        _assert_untouched(model, opt, before)
+
+    def test_graph_break_golden_bucket_spans_both_graphs(self) -> None:
         torch.manual_seed(0)
         model = _Broken()
         opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model)
-        assert len(opt.buckets) == 1
+        before = [p.detach().clone() for p in model.parameters()]
         text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
-        assert "== graph 1 ==" in text and "# primals_" in text and "fc2.weight" in text
-        assert "buckets spanning several graphs: 0 (graphs 0, 1)" in text
-        assert "bucket 0: reduce-scatter launches in graph 0 backward" in text
-        assert ", graph 1 backward" in text
-        assert all(torch.count_nonzero(p.main_grad) == 0 for p in model.parameters())
-        assert not any(opt.grad_sync.launched)
+        self.assertExpectedInline(text, """\
+fxzero buckets (dp=1): 1 bucket, 51 param elements in 256 buffer elements (80.1% padding: param starts aligned to 64, buckets to dp shards)
+|   bucket |   params | first param   | last param   |   numel |   padded |   pad % |   shard numel | shard % 2^16 == 0   |   RS bytes |   AG bytes | dtype (param/grad)   | graphs   |
+|----------|----------|---------------|--------------|---------|----------|---------|---------------|---------------------|------------|------------|----------------------|----------|
+|        0 |        4 | fc2.bias      | fc1.weight   |      51 |      256 |    80.1 |           256 | no                  |       1024 |       1024 | float32/float32      | 0, 1     |
+
+== graph 0: 2 params of buckets 0 ==
+# primals_2 = fc1.weight (bucket 0)
+# primals_3 = fc1.bias (bucket 0)
+-- graph 0 forward, after fxzero's passes (11 nodes; frees omitted) --
+def forward(self, primals_1, fc1.weight, fc1.bias):
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default(<bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    t = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_t, fc1.weight)
+    addmm = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_addmm, fc1.bias, primals_1, t)
+    relu = torch.ops.aten.relu.default(addmm)
+    detach = torch.ops.aten.detach.default(relu)
+    return (relu, primals_1, detach)
+-- graph 0 backward, after fxzero's passes (13 nodes; frees omitted) --
+def forward(self, primals_1, detach, tangents_1):
+    detach_1 = torch.ops.aten.detach.default(detach)
+    threshold_backward = torch.ops.aten.threshold_backward.default(tangents_1, detach_1, 0)
+    t_1 = torch.ops.aten.t.default(threshold_backward)
+    mm = torch.ops.aten.mm.default(t_1, primals_1)
+    t_2 = torch.ops.aten.t.default(mm)
+    sum_1 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True)
+    view = torch.ops.aten.view.default(sum_1, [6])
+    t_3 = torch.ops.aten.t.default(t_2)
+    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_3, view], <bucket 0>)  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
+    return (None, None, None)
+
+== graph 1: 2 params of buckets 0 ==
+# primals_2 = fc2.weight (bucket 0)
+# primals_3 = fc2.bias (bucket 0)
+-- graph 1 forward, after fxzero's passes (9 nodes; frees omitted) --
+def forward(self, primals_1, fc2.weight, fc2.bias):
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default(<bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    t = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_t, fc2.weight)
+    addmm = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_addmm, fc2.bias, primals_1, t)
+    return (addmm, primals_1, t)
+-- graph 1 backward, after fxzero's passes (13 nodes; frees omitted) --
+def forward(self, primals_1, t, tangents_1):
+    t_1 = torch.ops.aten.t.default(t)
+    mm = torch.ops.aten.mm.default(tangents_1, t_1)
+    t_2 = torch.ops.aten.t.default(tangents_1)
+    mm_1 = torch.ops.aten.mm.default(t_2, primals_1)
+    t_3 = torch.ops.aten.t.default(mm_1)
+    sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True)
+    view = torch.ops.aten.view.default(sum_1, [3])
+    t_4 = torch.ops.aten.t.default(t_3)
+    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_4, view], <bucket 0>)  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
+    return (mm, None, None)
+
+schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)
+bucket 0: reduce-scatter launches in graph 0 backward at node 11/13 (85%), graph 1 backward at node 11/13 (85%) (at the last of these to run); all-gather waited in graph 0 forward at node 3/11 (27%), graph 1 forward at node 3/9 (33%) (by the first to run)
+buckets spanning several graphs: 0 (graphs 0, 1)
+""")
+        _assert_untouched(model, opt, before)
+
+
+def test_gpt_graph_break_tied_embedding_bucket_spans_graphs() -> None:
+    torch.manual_seed(0)
+    model = GPT(GPTArgs(layers=1, graph_break=True))
+    opt = fxzero.DistributedOptimizer(
+        model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=4000), module=model
+    )
+    text = fxzero.explain(model, torch.randint(0, 64, (2, 16)), optimizer=opt)
+    table = text.split("\n\n")[0].splitlines()
+    assert table[0].startswith("fxzero buckets (dp=1): 4 buckets, ")
+    # The last bucket holds the embeddings: read before the break (graph 0) and, tied to
+    # the head, after it (graph 1).
+    assert table[-1].split("|")[3].strip() == "blocks.0.ln2.bias" and table[-1].rstrip("| ").endswith("0, 1")
+    assert "buckets spanning several graphs: 3 (graphs 0, 1)" in text
+    assert "def forward(self, primals_1, wte.weight, wpe.weight):" in text
+    assert "bucket 3: reduce-scatter launches in graph 0 backward at node " in text
+
+
+def test_explain_names_its_bad_arguments() -> None:
+    model, opt = _mlp_and_optimizer()
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match="optimizer must be a fxzero.DistributedOptimizer, got SGD"):
+        fxzero.explain(model, x, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="inner_compiler must be 'eager' or 'inductor', got 'cuda'"):
+        fxzero.explain(model, x, optimizer=opt, inner_compiler="cuda")
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
+        fxzero.explain(lambda t: t, x, optimizer=opt)

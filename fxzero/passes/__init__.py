@@ -2,15 +2,17 @@
 
 A pass is a function ``name_pass(gm, example_inputs, *, ...) -> gm``; one with nothing
 to do returns ``gm`` unchanged. The lists below are fixed: configuration picks values
-for the passes, not which code runs. With ``logging.DEBUG`` on ``fxzero.passes`` each
-pass logs its time and the change in node count.
+for the passes, not which code runs. With ``logging.DEBUG`` on ``fxzero.passes``
+(``TORCH_LOGS="+fxzero"``) each pass logs its time and the change in node count.
+``observe(pass_name, gm)``, when given, sees the graph after each pass: the dump
+directory and ``TORCH_TRACE`` record every intermediate graph through it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
 
@@ -22,12 +24,15 @@ __all__ = ["run_backward_passes", "run_forward_passes"]
 log = logging.getLogger(__name__)
 
 Pass = Callable[..., fx.GraphModule]
+Observer = Callable[[str, fx.GraphModule], None]
 
 FORWARD_PASSES: tuple[Pass, ...] = (param_gather_wait_pass,)
 BACKWARD_PASSES: tuple[Pass, ...] = (bucket_reduce_scatter_pass,)
 
 
-def _run(passes: Sequence[Pass], gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> fx.GraphModule:
+def _run(
+    passes: Sequence[Pass], gm: fx.GraphModule, example_inputs: Sequence[Any], observe: Optional[Observer], **kwargs: Any
+) -> fx.GraphModule:
     for graph_pass in passes:
         nodes_before, start = len(gm.graph.nodes), time.perf_counter()
         gm = graph_pass(gm, example_inputs, **kwargs)
@@ -39,12 +44,18 @@ def _run(passes: Sequence[Pass], gm: fx.GraphModule, example_inputs: Sequence[An
                 nodes_before,
                 len(gm.graph.nodes),
             )
+        if observe is not None:
+            observe(graph_pass.__name__, gm)
     return gm
 
 
-def run_forward_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> fx.GraphModule:
-    return _run(FORWARD_PASSES, gm, example_inputs, **kwargs)
+def run_forward_passes(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, observe: Optional[Observer] = None, **kwargs: Any
+) -> fx.GraphModule:
+    return _run(FORWARD_PASSES, gm, example_inputs, observe, **kwargs)
 
 
-def run_backward_passes(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> fx.GraphModule:
-    return _run(BACKWARD_PASSES, gm, example_inputs, **kwargs)
+def run_backward_passes(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, observe: Optional[Observer] = None, **kwargs: Any
+) -> fx.GraphModule:
+    return _run(BACKWARD_PASSES, gm, example_inputs, observe, **kwargs)

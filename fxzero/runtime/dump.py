@@ -1,40 +1,335 @@
-"""Writing compiled graphs to a dump directory, before and after fxzero's passes."""
+"""What fxzero's passes did to each compiled graph: a dump directory, ``TORCH_TRACE``
+artifacts and one log line per graph.
+
+Why: the nodes fxzero inserts (``fxzero::wait_params``, ``fxzero::grads_ready``) are
+invisible in a training loop, and a wrong insertion point shows up only as lost overlap
+or a hang. Every compile therefore says what it inserted (an INFO line on the
+``fxzero`` logger: ``TORCH_LOGS="fxzero"``), and on request keeps the evidence:
+
+- ``options={"dump_dir": DIR}`` (or ``FXZERO_DUMP_DIR=DIR``; the option wins) writes,
+  per Dynamo graph ``{id}`` and AOT graph ``{kind}`` (forward, backward, inference)::
+
+      {id}_{kind}_before.py            the graph as AOTAutograd handed it to fxzero
+      {id}_{kind}_pass{k}_{name}.py    after pass k (only when more than one pass ran)
+      {id}_{kind}_after.py             after all of fxzero's passes
+      {id}_{kind}.diff                 unified diff, one hunk set per pass
+      {id}_summary.json                buckets, inserted nodes, graph ids (this graph)
+      summary.json                     index of every graph dumped by this process
+
+  The ``.py`` files import-load (each starts with ``import torch``). Ranks of a
+  multi-rank job write to ``DIR/rank{r}/`` so they never overwrite each other.
+- under ``TORCH_TRACE`` the same texts go to ``torch._logging.trace_structured`` as
+  artifacts named like the files (``fxzero_000_forward_after``, ...), so tlparse shows
+  them next to Dynamo's and Inductor's graphs for the same compile id.
+
+Graph texts are only rendered when a dump directory or a trace handler wants them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import difflib
 import itertools
+import json
 import logging
+import os
+import re
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
+import torch
+import torch.distributed as dist
 import torch.fx as fx
+from torch._logging import trace_structured
+from torch._logging._internal import trace_log
 
-__all__ = ["GraphDumper"]
+from . import ops as _ops
+
+__all__ = [
+    "DUMP_DIR_ENV",
+    "GraphDumper",
+    "InsertedNode",
+    "input_names",
+    "inserted_nodes",
+    "observing",
+    "resolve_dump_dir",
+]
 
 log = logging.getLogger(__name__)
 
+DUMP_DIR_ENV = "FXZERO_DUMP_DIR"
+_OPS = {
+    torch.ops.fxzero.grads_ready.default: "fxzero::grads_ready",
+    torch.ops.fxzero.wait_params.default: "fxzero::wait_params",
+}
+_HEADER = "import torch\nfrom math import inf, nan\nfrom torch import device\n\n"
 _graph_ids = itertools.count()
+_index: dict[Path, dict[int, dict[str, Any]]] = {}  # dump dir -> graph id -> index entry
+_observers: list[Callable[["GraphDumper", str, fx.GraphModule], None]] = []
+
+
+@dataclasses.dataclass(frozen=True)
+class InsertedNode:
+    """One node fxzero's passes inserted, with the bucket its op handle stands for."""
+
+    name: str
+    index: int
+    """Position in the graph's node list (placeholders included)."""
+    op: str
+    handle: int
+    bucket: int
+    sync: Any
+    """The ``GradSync`` / ``ParamSync`` that the handle reports to (identifies the optimizer)."""
+
+    @property
+    def launch(self) -> bool:
+        """True for a reduce-scatter launch, False for an all-gather wait."""
+        return self.op == "fxzero::grads_ready"
+
+
+def inserted_nodes(gm: fx.GraphModule) -> tuple[InsertedNode, ...]:
+    """fxzero's nodes in ``gm``, in graph order."""
+    found = []
+    for index, node in enumerate(gm.graph.nodes):
+        op = _OPS.get(node.target) if node.op == "call_function" else None
+        if op is not None:
+            entry = _ops._graph_buckets[int(node.args[-1])]
+            found.append(InsertedNode(node.name, index, op, int(node.args[-1]), entry.bucket, entry.sync))
+    return tuple(found)
+
+
+def input_names(gm: fx.GraphModule) -> list[str]:
+    """Each Dynamo graph input's module path (``blocks.0.fc.weight``) where its source
+    is a module attribute, else the placeholder's name: dumps name params as users do."""
+    names = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        grapharg = node.meta.get("grapharg")
+        source = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
+        parts = re.findall(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", source if isinstance(source, str) else "")
+        names.append(".".join(parts) if parts else node.name)
+    return names
+
+
+def resolve_dump_dir(option: Union[str, "os.PathLike[str]", None]) -> Optional[Path]:
+    """The ``dump_dir`` option, else ``$FXZERO_DUMP_DIR``; ``rank{r}/`` below it when
+    several processes would otherwise write the same file names."""
+    chosen = option if option is not None else os.environ.get(DUMP_DIR_ENV) or None
+    if chosen is None:
+        return None
+    path = Path(chosen)
+    # A "fake" group (python -m fxzero explain --world-size) is one process: no subdir.
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        path = path / f"rank{dist.get_rank()}"
+    return path
+
+
+@contextlib.contextmanager
+def observing(callback: Callable[["GraphDumper", str, fx.GraphModule], None]) -> Iterator[None]:
+    """Call ``callback(dumper, kind, gm)`` with every graph fxzero's passes finish while
+    the block runs: :func:`fxzero.explain` records graphs, owners and names this way."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
+def _readable(gm: fx.GraphModule, title: str) -> str:
+    return f"# {title}\n{_HEADER}{gm.print_readable(print_output=False)}"
+
+
+@dataclasses.dataclass
+class _Part:
+    """One AOT graph's record: what the passes changed and what was inserted."""
+
+    kind: str
+    nodes_before: int
+    nodes_after: int
+    stages: list[tuple[str, str]]
+    """``(file stem, text)`` from before the first pass to after the last (may be empty)."""
+    inserted: tuple[InsertedNode, ...]
+
+
+def _final_stages(stages: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """Name the last stage ``after``; keep per-pass stages only when several passes ran."""
+    if len(stages) <= 2:
+        return [stages[0], ("after", stages[-1][1])]
+    return [*stages, ("after", stages[-1][1])]
+
+
+def _diff(stem: str, stages: list[tuple[str, str]]) -> str:
+    """Unified diff from each stage to the next (the ``after`` copy of the last pass skipped)."""
+    chain = stages if len(stages) == 2 else stages[:-1]
+    hunks = []
+    for (old_name, old), (new_name, new) in zip(chain, chain[1:]):
+        body_old, body_new = old.split("\n", 1)[1], new.split("\n", 1)[1]  # drop the title line
+        changed = list(
+            difflib.unified_diff(
+                body_old.splitlines(keepends=True),
+                body_new.splitlines(keepends=True),
+                f"{stem}_{old_name}.py",
+                f"{stem}_{new_name}.py",
+            )
+        )
+        hunks += changed or [f"# {stem}_{new_name}.py: no change\n"]
+    return "".join(hunks)
 
 
 class GraphDumper:
-    """Dumps one Dynamo graph's AOT graphs as ``{id}_{kind}_{before|after}.py``."""
+    """Records one Dynamo graph's AOT graphs as fxzero's passes rewrite them."""
 
-    def __init__(self, dump_dir: Optional[str]) -> None:
+    def __init__(
+        self,
+        dump_dir: Union[str, "os.PathLike[str]", None],
+        owners: Sequence[Any] = (),
+        managed: Sequence[Any] = (),
+        names: Sequence[str] = (),
+    ) -> None:
         self.graph_id = next(_graph_ids)
-        self.dir = Path(dump_dir) if dump_dir else None
+        self.dir = resolve_dump_dir(dump_dir)
+        self.owners, self.managed, self.names = list(owners), list(managed), list(names)
+        compile_id = torch._guards.CompileContext.current_compile_id()
+        self.compile_id, self.compile_name = compile_id, str(compile_id) if compile_id is not None else None
+        self.parts: dict[str, _Part] = {}
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
 
-    def write(self, kind: str, stage: str, gm: fx.GraphModule) -> None:
-        if self.dir is None:
-            return
-        path = self.dir / f"{self.graph_id:03d}_{kind}_{stage}.py"
-        path.write_text(gm.print_readable(print_output=False))
-        log.info("wrote %s", path)
+    @property
+    def stem(self) -> str:
+        return f"{self.graph_id:03d}"
 
-    def around(self, kind: str, gm: fx.GraphModule, passes: Callable[[fx.GraphModule], fx.GraphModule]) -> fx.GraphModule:
-        """Run ``passes`` on ``gm``, dumping the graph before and after."""
-        self.write(kind, "before", gm)
-        gm = passes(gm)
-        self.write(kind, "after", gm)
+    def _title(self, kind: str, stage: str, *, compile_id: bool = True) -> str:
+        where = f" (Dynamo compile {self.compile_name})" if self.compile_name and compile_id else ""
+        return f"fxzero graph {self.stem} {kind}{where}: {stage}"
+
+    def around(
+        self,
+        kind: str,
+        gm: fx.GraphModule,
+        passes: Callable[[fx.GraphModule, Callable[[str, fx.GraphModule], None]], fx.GraphModule],
+    ) -> fx.GraphModule:
+        """Run ``passes(gm, observe)`` (which calls ``observe(pass_name, gm)`` after each
+        pass) and record the graph before, between and after the passes."""
+        wanted = self.dir is not None or bool(trace_log.handlers)  # no text rendered otherwise
+        nodes_before = len(gm.graph.nodes)
+        stages = [("before", _readable(gm, self._title(kind, "before fxzero's passes")))] if wanted else []
+
+        def observe(name: str, graph: fx.GraphModule) -> None:
+            if wanted:
+                stages.append((f"pass{len(stages)}_{name}", _readable(graph, self._title(kind, f"after {name}"))))
+
+        gm = passes(gm, observe)
+        part = _Part(
+            kind, nodes_before, len(gm.graph.nodes), _final_stages(stages) if wanted else [], inserted_nodes(gm)
+        )
+        self.parts[kind] = part
+        log.info("%s", self._describe(part))
+        for observer in list(_observers):
+            observer(self, kind, gm)
+        if wanted:
+            self._emit(part)
         return gm
+
+    def _describe(self, part: _Part) -> str:
+        launches = [str(n.bucket) for n in part.inserted if n.launch]
+        waits = [str(n.bucket) for n in part.inserted if not n.launch]
+        what = [f"reduce-scatter launches for buckets {', '.join(launches)}"] if launches else []
+        what += [f"all-gather waits for buckets {', '.join(waits)}"] if waits else []
+        changed = f"{part.nodes_before} -> {part.nodes_after} nodes"
+        return f"{self._title(part.kind, changed, compile_id=False)}; {'; '.join(what) or 'nothing inserted'}"
+
+    # ---- outputs ------------------------------------------------------------------
+    def _emit(self, part: _Part) -> None:
+        prefix = f"{self.stem}_{part.kind}"
+        files = {f"{prefix}_{name}.py": text for name, text in part.stages}
+        files[f"{prefix}.diff"] = _diff(prefix, part.stages)
+        summary = self.summary()
+        if self.dir is not None:
+            for name, text in files.items():
+                (self.dir / name).write_text(text)
+            self._write_json(f"{self.stem}_summary.json", summary)
+            self._write_index()
+            log.info("%s", self._title(part.kind, f"dumped to {self.dir / (prefix + '_after.py')}", compile_id=False))
+        for name, text in files.items():  # artifact names: 000_forward_after, 000_forward_diff, ...
+            self._trace(name.removesuffix(".py").replace(".", "_"), "string", text)
+        self._trace(f"{self.stem}_summary", "json", summary)
+
+    def _trace(self, name: str, encoding: str, payload: Any) -> None:
+        trace_structured(
+            "artifact",
+            metadata_fn=lambda: {"name": f"fxzero_{name}", "encoding": encoding},
+            payload_fn=lambda: payload,
+            compile_id=self.compile_id,
+        )
+
+    def _write_json(self, name: str, value: Any) -> None:
+        assert self.dir is not None
+        (self.dir / name).write_text(json.dumps(value, indent=1) + "\n")
+
+    def _write_index(self) -> None:
+        assert self.dir is not None
+        entries = _index.setdefault(self.dir.resolve(), {})
+        entries[self.graph_id] = {
+            "graph_id": self.graph_id,
+            "compile_id": self.compile_name,
+            "kinds": sorted(self.parts),
+            "buckets": sorted({(m.owner, m.bucket) for m in self.managed}),
+            "summary": f"{self.stem}_summary.json",
+        }
+        self._write_json("summary.json", {"graphs": [entries[i] for i in sorted(entries)]})
+
+    # ---- the JSON summary -----------------------------------------------------------
+    def summary(self) -> dict[str, Any]:
+        """This graph's managed inputs, the buckets they belong to (``numel``: param
+        elements; ``padded_numel``: the bucket's buffer, alignment and padding included)
+        and the nodes inserted, as plain JSON data."""
+        ranked = dist.is_available() and dist.is_initialized()
+        return {
+            "graph_id": self.graph_id,
+            "compile_id": self.compile_name,
+            "rank": dist.get_rank() if ranked else 0,
+            "world_size": dist.get_world_size() if ranked else 1,
+            "params": [
+                {"input": m.position, "name": self._name(m.position), "optimizer": m.owner, "bucket": m.bucket}
+                for m in self.managed
+            ],
+            "buckets": [
+                self._bucket_summary(owner, index)
+                for owner, index in sorted({(m.owner, m.bucket) for m in self.managed})
+            ],
+            "graphs": {kind: self._part_summary(part) for kind, part in self.parts.items()},
+        }
+
+    def _name(self, position: int) -> str:
+        return self.names[position] if position < len(self.names) else f"input {position}"
+
+    def _bucket_summary(self, owner: int, index: int) -> dict[str, Any]:
+        optimizer = self.owners[owner]
+        bucket = next(b for b in optimizer.buckets if b.index == index)
+        padded = bucket.param_data.numel()
+        return {
+            "optimizer": owner,
+            "index": index,
+            "params": [self._name(m.position) for m in self.managed if (m.owner, m.bucket) == (owner, index)],
+            "params_in_bucket": len(bucket.params),
+            "numel": sum(p.numel() for p in bucket.params),
+            "padded_numel": padded,
+            "shard_numel": padded // optimizer.dp.size,
+            "dtype": str(bucket.param_data.dtype).removeprefix("torch."),
+            "grad_dtype": str(bucket.grad_data.dtype).removeprefix("torch."),
+        }
+
+    def _owner_of(self, sync: Any) -> Optional[int]:
+        return next((i for i, o in enumerate(self.owners) if sync is o.grad_sync or sync is o.param_sync), None)
+
+    def _part_summary(self, part: _Part) -> dict[str, Any]:
+        return {
+            "nodes_before": part.nodes_before,
+            "nodes_after": part.nodes_after,
+            "files": [f"{self.stem}_{part.kind}_{name}.py" for name, _ in part.stages] if self.dir is not None else [],
+            "inserted": [
+                {"name": n.name, "op": n.op, "optimizer": self._owner_of(n.sync), "bucket": n.bucket, "index": n.index}
+                for n in part.inserted
+            ],
+        }

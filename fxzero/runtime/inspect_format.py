@@ -1,0 +1,189 @@
+"""Text of :func:`fxzero.explain`: the bucket table, the marked graphs, the schedule.
+
+Why a separate module: :mod:`fxzero.runtime.inspect` decides *what* to record; this
+decides how a newcomer reads it. The output must answer, from one screen: how many
+buckets and how much padding (table), where each reduce-scatter fires and each gather
+is waited (schedule, as % of the graph), and which graph touched which bucket (table's
+``graphs`` column, graph headers, spanning line). It is deterministic (no addresses,
+timings, op handles or paths), so tests hold it as golden text.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, Any
+
+from tabulate import tabulate
+
+if TYPE_CHECKING:
+    from .dump import InsertedNode
+    from .inspect import Explained, Graph, Recorded
+
+__all__ = ["render"]
+
+_ALIGN = 2**16
+_HEADERS = (
+    "bucket", "params", "first param", "last param", "numel", "padded", "pad %",
+    "shard numel", "shard % 2^16 == 0", "RS bytes", "AG bytes", "dtype (param/grad)", "graphs",
+)  # fmt: skip
+_FREES = re.compile(r";  (?:\w+ = )+None$")
+_SUBGRAPH_FETCH = re.compile(r"^\s*(\w+) = self\.\1$")
+_HANDLE = re.compile(r"(torch\.ops\.fxzero\.\w+\.default\((?:\[[^\]]*\], )?)\d+\)")
+
+
+def render(explained: "Explained") -> str:
+    sections = [
+        _bucket_section(explained),
+        *(_graph_text(i, g, explained) for i, g in enumerate(explained.graphs)),
+        "schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)\n"
+        + _schedule(explained),
+    ]
+    return "\n\n".join(sections) + "\n"
+
+
+# ---- the bucket table ---------------------------------------------------------------
+def _dtype(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _graphs_of_bucket(explained: "Explained", bucket: int) -> str:
+    numbers = [str(i) for i, g in enumerate(explained.graphs) if bucket in explained.buckets_of(g)]
+    return ", ".join(numbers) if numbers else "eager only"
+
+
+def _numel(bucket: Any) -> int:
+    """Param elements only: the 64-element start alignment counts as padding."""
+    return sum(p.numel() for p in bucket.params)
+
+
+def _bucket_row(bucket: Any, explained: "Explained") -> list[Any]:
+    names, padded, numel = explained.names, bucket.param_data.numel(), _numel(bucket)
+    shard = padded // explained.optimizer.dp.size
+    return [
+        bucket.index,
+        len(bucket.params),
+        names.get(id(bucket.params[0]), "?"),
+        names.get(id(bucket.params[-1]), "?"),
+        numel,
+        padded,
+        f"{100 * (padded - numel) / padded:.1f}" if padded else "0.0",
+        shard,
+        "yes" if shard % _ALIGN == 0 else "no",
+        padded * bucket.grad_data.element_size(),
+        padded * bucket.param_data.element_size(),
+        f"{_dtype(bucket.param_data)}/{_dtype(bucket.grad_data)}",
+        _graphs_of_bucket(explained, bucket.index),
+    ]
+
+
+def _bucket_section(explained: "Explained") -> str:
+    buckets = explained.optimizer.buckets
+    numel = sum(_numel(b) for b in buckets)
+    padded = sum(b.param_data.numel() for b in buckets)
+    pad = 100 * (padded - numel) / padded if padded else 0.0
+    title = (
+        f"fxzero buckets (dp={explained.optimizer.dp.size}): {len(buckets)} bucket{'s' * (len(buckets) != 1)}, {numel:,} param elements "
+        f"in {padded:,} buffer elements ({pad:.1f}% padding: param starts aligned to 64, buckets to dp shards)"
+    )
+    rows = [_bucket_row(b, explained) for b in buckets]
+    return title + "\n" + tabulate(rows, headers=_HEADERS, tablefmt="github")
+
+
+# ---- the graphs ---------------------------------------------------------------------
+def _node_label(node: "InsertedNode", bucket: Any) -> str:
+    return f"{'rs_launch' if node.launch else 'ag_wait'}_bucket{bucket}"
+
+
+def _renames(graph: "Graph", part: "Recorded", explained: "Explained") -> dict[str, str]:
+    """Graph identifiers shown under another name: params by module path, fxzero's
+    nodes by what they do and for which bucket."""
+    renames = {placeholder: path for placeholder, path, _ in explained.params_of(graph)}
+    for node in part.inserted:
+        renames[node.name] = _node_label(node, explained.bucket_of(node))
+    return renames
+
+
+def _mark(node: "InsertedNode", bucket: Any) -> str:
+    if node.launch:
+        return f"  # <- fxzero: launch bucket {bucket}'s reduce-scatter (its grads from this graph are in)"
+    return f"  # <- fxzero: wait for bucket {bucket}'s all-gather (and launch the next)"
+
+
+def _show_bucket(line: str, bucket: Any) -> str:
+    """An op handle is a process-wide counter; the bucket it stands for is what matters."""
+    return _HANDLE.sub(lambda m: f"{m.group(1)}<bucket {bucket}>)", line)
+
+
+def _marked_code(graph: "Graph", part: "Recorded", explained: "Explained") -> list[str]:
+    renames = _renames(graph, part, explained)
+    pattern = (
+        re.compile(r"\b(" + "|".join(sorted(map(re.escape, renames), key=len, reverse=True)) + r")\b")
+        if renames
+        else None
+    )
+    marks = {f"{node.name} = torch.ops.fxzero": node for node in part.inserted}
+    out = []
+    for line in part.code.splitlines():
+        stripped = line.strip()
+        if not stripped or stripped.startswith("#") or _SUBGRAPH_FETCH.match(line):
+            continue
+        line = _FREES.sub("", line)
+        node = next((n for key, n in marks.items() if stripped.startswith(key)), None)
+        if pattern is not None:
+            line = pattern.sub(lambda m: renames[m.group(1)], line)
+        if node is not None:
+            line = _show_bucket(line, explained.bucket_of(node)) + _mark(node, explained.bucket_of(node))
+        out.append(line)
+    return out
+
+
+def _graph_text(number: int, graph: "Graph", explained: "Explained") -> str:
+    params = explained.params_of(graph)
+    buckets = ", ".join(map(str, explained.buckets_of(graph))) or "none"
+    lines = [f"== graph {number}: {len(params)} params of buckets {buckets} =="]
+    lines += [f"# {placeholder} = {path} (bucket {bucket})" for placeholder, path, bucket in params]
+    for kind in ("forward", "inference", "backward"):
+        part = graph.parts.get(kind)
+        if part is not None:
+            lines.append(f"-- graph {number} {kind}, after fxzero's passes ({part.total} nodes; frees omitted) --")
+            lines += _marked_code(graph, part, explained)
+    return "\n".join(lines)
+
+
+# ---- the schedule -------------------------------------------------------------------
+def _sites(explained: "Explained", bucket: int, launch: bool) -> list[str]:
+    sites = []
+    for number, graph in enumerate(explained.graphs):
+        for kind, part in graph.parts.items():
+            for node in part.inserted:
+                if node.launch == launch and explained.bucket_of(node) == bucket:
+                    pct = round(100 * node.index / part.total)
+                    sites.append(f"graph {number} {kind} at node {node.index}/{part.total} ({pct}%)")
+    return sites
+
+
+def _schedule_line(explained: "Explained", bucket: int) -> str:
+    launches = _sites(explained, bucket, launch=True)
+    waits = _sites(explained, bucket, launch=False)
+    rs = f"reduce-scatter launches in {', '.join(launches)}" if launches else "reduce-scatter launched by eager hooks"
+    if len(launches) > 1:
+        rs += " (at the last of these to run)"
+    ag = f"all-gather waited in {', '.join(waits)}" if waits else "all-gather waited by eager hooks"
+    if len(waits) > 1:
+        ag += " (by the first to run)"
+    return f"bucket {bucket}: {rs}; {ag}"
+
+
+def _schedule(explained: "Explained") -> str:
+    lines = [_schedule_line(explained, bucket.index) for bucket in explained.optimizer.buckets]
+    return "\n".join(lines + [_spanning(explained)])
+
+
+def _spanning(explained: "Explained") -> str:
+    """Buckets whose params are read by more than one compiled graph (graph breaks)."""
+    seen: dict[int, list[int]] = {}
+    for number, graph in enumerate(explained.graphs):
+        for bucket in explained.buckets_of(graph):
+            seen.setdefault(bucket, []).append(number)
+    spanning = [f"{b} (graphs {', '.join(map(str, g))})" for b, g in sorted(seen.items()) if len(g) > 1]
+    return f"buckets spanning several graphs: {'; '.join(spanning) if spanning else 'none'}"
