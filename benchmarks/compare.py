@@ -24,8 +24,8 @@ is the slower rank's. The table shows the median over ``--steps`` timed steps af
 ``--warmup`` untimed ones, and the spread (p10-p90). The machine may be shared: ``--rounds
 3`` reruns every config in rotated order and prints each round's ratio; trust a verdict
 only if it holds in every round. Collectives and their bytes are counted with
-``torch.profiler`` (``c10d::*`` ops, including those DDP's C++ reducer issues) in the last
-warm-up step; bytes are payload sizes (all-reduce and reduce-scatter input, all-gather
+``torch.profiler`` (``c10d::*`` ops, including those DDP's C++ reducer issues) over one
+steady cycle (from after a warm-up forward to after the next forward, untimed); bytes are payload sizes (all-reduce and reduce-scatter input, all-gather
 output; tensor lists are counted as fp32). The parity column is the loss after the last
 step minus a single-process eager run of the same global batches.
 """
@@ -51,6 +51,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E402
 
 import fxzero  # noqa: E402
+import fxzero.backend  # noqa: E402
+from fxzero.runtime.grad_sync import GradSync  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 
 LR, BETAS, BUCKET, PER_RANK = 2e-3, (0.9, 0.95), 1_000_000, 8
@@ -152,6 +154,38 @@ def _count_collectives(out: dict):
             out["bytes"] += _payload(event)
 
 
+@contextlib.contextmanager
+def _patched(owner, name: str, make):
+    original = getattr(owner, name)
+    setattr(owner, name, make(original))
+    try:
+        yield
+    finally:
+        setattr(owner, name, original)
+
+
+def _timer(acc: dict, key: str):
+    def make(fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                acc[key] = acc.get(key, 0.0) + time.perf_counter() - start
+
+        return timed
+
+    return make
+
+
+def _instrument_fxzero(stack: contextlib.ExitStack, out: dict, launches: list) -> None:
+    """Time fxzero's passes vs Inductor's compile_fx_inner; record reduce-scatter launch times."""
+    for name, key in (("run_forward_passes", "passes"), ("run_backward_passes", "passes"), ("_inner_compile", "inductor")):
+        stack.enter_context(_patched(fxzero.backend, name, _timer(out["compile"], key)))
+    record = lambda launch: lambda sync, i: launches.append((i, time.perf_counter())) or launch(sync, i)  # noqa: E731
+    stack.enter_context(_patched(GradSync, "_launch", record))
+
+
 def _prewarm() -> None:
     from torch._inductor.utils import fresh_cache
 
@@ -167,29 +201,51 @@ def _train(config: str, steps: int, warmup: int) -> dict:
     batch = types.SimpleNamespace(seq=128, global_batch=PER_RANK * world)
     torch.manual_seed(0)
     model = Transformer(ModelArgs())
-    out = {"times": [], "losses": [], "collectives": collections.Counter(), "bytes": 0}
-    with fresh_cache():
+    out = {"times": [], "losses": [], "collectives": collections.Counter(), "bytes": 0, "compile": {}, "rooms": []}
+    launches: list = []
+    with fresh_cache(), contextlib.ExitStack() as patches:
+        if config == "fxzero":
+            _instrument_fxzero(patches, out, launches)
         cmodel, opt, state_bytes = _build(config, model)
-        for step in range(1, warmup + steps + 1):
-            x, y = get_batch(data, step, batch, rank, world, torch.device("cpu"))
-            dist.barrier()
-            with _count_collectives(out) if step == warmup else contextlib.nullcontext():
+        with contextlib.ExitStack() as counting:
+            for step in range(1, warmup + steps + 2):
+                x, y = get_batch(data, step, batch, rank, world, torch.device("cpu"))
+                dist.barrier()
+                launches.clear()
                 start = time.perf_counter()
                 loss = cmodel(x, y)
+                backward_start = time.perf_counter()
+                if step == warmup + 1:  # a whole steady cycle: backward, step, zero_grad, next forward
+                    counting.close()
+                elif step == warmup:
+                    counting.enter_context(_count_collectives(out))
                 loss.backward()
+                backward_end = time.perf_counter()
                 opt.step()
                 opt.zero_grad(set_to_none=True)
                 elapsed = time.perf_counter() - start
-            if step == 1:
-                out["first"] = elapsed
-            if step > warmup:
-                out["times"].append(elapsed)
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            out["losses"].append(total.item() / world)
+                if step > warmup + 1:  # share of backward still ahead when each bucket launched
+                    out["rooms"].append({i: (backward_end - at) / (backward_end - backward_start) for i, at in launches})
+                if step == 1:
+                    out["first"] = elapsed
+                if step > warmup + 1:  # the profiled steps are not timed
+                    out["times"].append(elapsed)
+                total = loss.detach().clone()
+                dist.all_reduce(total)
+                out["losses"].append(total.item() / world)
     out["state_bytes"] = state_bytes()
+    if config == "fxzero":
+        names = {id(p): n for n, p in model.named_parameters()}
+        out["buckets"] = [(b.index, len(b.params), b.grad_data.numel(), _span([names[id(p)] for p in b.params])) for b in opt.buckets]
     out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return out
+
+
+def _span(names: list[str]) -> str:
+    """Which parts of the model a bucket's params come from, e.g. 'blocks 0,1,2,3 + norm'."""
+    blocks = sorted({int(n.split(".")[1]) for n in names if n.startswith("layers.")})
+    other = sorted({n.split(".")[0] for n in names if not n.startswith("layers.")})
+    return " + ".join(([f"blocks {','.join(map(str, blocks))}"] if blocks else []) + other)
 
 
 # ---- in the parent ----------------------------------------------------------------------
@@ -237,6 +293,7 @@ def _run_all(args: argparse.Namespace) -> tuple[dict, dict]:
                 if config in results:
                     for old, new in zip(results[config], res):
                         old["times"] += new["times"]
+                        old["rooms"] += new["rooms"]
                         old["rss_mib"] = max(old["rss_mib"], new["rss_mib"])
                 else:
                     results[config] = res
@@ -288,6 +345,24 @@ def _targets(results: dict, medians: dict, per_round: dict, world: int) -> None:
         plain = max(r["state_bytes"] for r in results[BASELINE])
         ratio = max(r["state_bytes"] for r in results["fxzero"]) / (plain / world)
         print(f"fxzero optimizer state = {ratio:.6f} x (plain AdamW / {world}) (target <= 1.01): {verdict(ratio <= 1.01)}")
+    fx = results["fxzero"]
+    comp = {k: max(r["compile"].get(k, 0.0) for r in fx) for k in ("passes", "inductor")}
+    share = comp["passes"] / max(1e-9, comp["inductor"])
+    print(f"fxzero passes: {1e3 * comp['passes']:.1f} ms vs {1e3 * comp['inductor']:.0f} ms in Inductor's compile_fx_inner "
+          f"= +{share:.2%} compile time (target < 10%): {verdict(share < 0.10)}")
+    _overlap_room(fx, world)
+
+
+def _overlap_room(fx: list[dict], world: int) -> None:
+    print("\n## fxzero overlap room per bucket (share of backward still ahead when its reduce-scatter launches)\n")
+    rows = []
+    for index, n_params, numel, span in fx[0]["buckets"]:
+        rooms = [step[index] for r in fx for step in r["rooms"] if index in step]
+        tail = [f"{statistics.median(rooms):.1%}", f"{min(rooms):.1%}", f"{max(rooms):.1%}"] if rooms else ["never in backward", "", ""]
+        rows.append([index, n_params, f"{numel:,}", span, *tail])
+    print(tabulate(rows, headers=["bucket", "params", "elements", "params from", "median room", "min", "max"],
+                   tablefmt="github", disable_numparse=True))
+    print(f"\n(over {len(fx[0]['rooms'])} timed steps x {world} ranks; ~0% = launched at the end of backward: no overlap.)")
 
 
 def _plot(rows: list[list[str]], path: str) -> None:
@@ -330,13 +405,13 @@ def main() -> None:
     print(f"# fxzero vs peers: torch {torch.__version__}, gloo, {args.world} ranks x 1 thread, GPT {n_params:,} params, "
           f"seq 128, batch {PER_RANK}/rank; {args.rounds} round(s) x ({args.warmup} warm-up + {args.steps} timed steps)\n")
     results, per_round = _run_all(args)
-    reference = _reference_losses(args.warmup + args.steps, args.world)
+    reference = _reference_losses(args.warmup + args.steps + 1, args.world)
     rows, medians = _rows(results, reference)
     headers = ["config", "median ms", "p10-p90 ms", f"vs {BASELINE}", "vs limit", "opt state MiB/rank", "peak RSS MiB/rank",
                "collectives/step", "MiB comm/step", "1st-step extra s", "final loss (vs eager)"]
     print()
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
-    print(f"\n(final loss after {args.warmup + args.steps} steps, mean over ranks; in parentheses minus single-process "
+    print(f"\n(final loss after {args.warmup + args.steps + 1} steps, mean over ranks; in parentheses minus single-process "
           f"eager AdamW on the same global batches, {reference[-1]:.4f}. 1st-step extra: step 1 minus the median step, "
           "mostly compile. MiB comm: collective payloads of rank 0 in one step. Peak RSS: whole process.)")
     _targets(results, medians, per_round, args.world)

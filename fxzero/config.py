@@ -38,8 +38,10 @@ class Config:
 
     pad_for_high_busbw: bool = False
     """Pad every bucket to a multiple of ``lcm(dp, 128, 2**16)`` instead of
-    ``lcm(dp, 128)``, so each rank's shard is a multiple of 2^16 elements, which NCCL's
-    ring algorithms need for full bus bandwidth at large dp. Costs padding memory."""
+    ``lcm(dp, 128)`` (Megatron-LM's rule: bucket sizes divisible by a large power of two
+    keep NCCL's ring algorithms at full bus bandwidth at large dp). The rank's shard is
+    then a multiple of ``2**16 / gcd(dp, 2**16)`` elements, not necessarily of 2^16
+    (``fxzero.explain`` shows which). Costs padding memory."""
 
     grad_dtype: Optional[torch.dtype] = torch.float32
     """dtype of the flat gradient buffer (``main_grad``). ``None`` means the param's own
