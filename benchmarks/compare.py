@@ -6,7 +6,7 @@ Every config trains the GPT of ``examples/train_gpt.py`` (3.25M params, vocab 25
 4 layers, 4 heads, tied embedding/head; seq 128, batch 8 per rank, the same stdlib-bytes
 batches and seed) with AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1 on matrices):
 
-* **fxzero**: ``DistributedOptimizer(..., Config(bucket_size=1_000_000), module=model)``
+* **fxzero**: ``DistributedOptimizer(..., Config(bucket_size=--bucket-size), module=model)``
   + ``torch.compile(model, backend="fxzero")`` (Inductor inside); **fxzero eager-inner**:
   the same with ``options={"inner_compiler": "eager"}``;
 * **DDP eager**, **DDP + compile** (``torch.compile(DDP(model))``, DDPOptimizer), full AdamW;
@@ -55,7 +55,7 @@ import fxzero.backend  # noqa: E402
 from fxzero.runtime.grad_sync import GradSync  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 
-LR, BETAS, BUCKET, PER_RANK = 2e-3, (0.9, 0.95), 1_000_000, 8
+LR, BETAS, PER_RANK = 2e-3, (0.9, 0.95), 8
 CONFIGS = ("fxzero", "fxzero eager-inner", "DDP eager", "DDP + compile", "DDP + ZeRO", "FSDP2", "FSDP2 + compile", "limit")
 BASELINE = "DDP + compile"
 
@@ -84,11 +84,11 @@ class _NoOptimizer:
         pass
 
 
-def _build(config: str, model: torch.nn.Module):
+def _build(config: str, model: torch.nn.Module, bucket_size: int):
     """(callable model, optimizer, () -> optimizer-state bytes on this rank)."""
     AdamW = torch.optim.AdamW
     if config.startswith("fxzero"):
-        cfg = fxzero.Config(bucket_size=BUCKET)
+        cfg = fxzero.Config(bucket_size=bucket_size)
         opt = fxzero.DistributedOptimizer(_param_groups(model), AdamW, lr=LR, betas=BETAS, config=cfg, module=model)
         options = {"inner_compiler": "eager"} if config == "fxzero eager-inner" else {}
         return torch.compile(model, backend="fxzero", options=options), opt, lambda: opt.state_bytes
@@ -193,7 +193,7 @@ def _prewarm() -> None:
         torch.compile(lambda x: (x * 2).sum())(torch.randn(8))
 
 
-def _train(config: str, steps: int, warmup: int) -> dict:
+def _train(config: str, steps: int, warmup: int, bucket_size: int) -> dict:
     from torch._inductor.utils import fresh_cache
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -206,7 +206,7 @@ def _train(config: str, steps: int, warmup: int) -> dict:
     with fresh_cache(), contextlib.ExitStack() as patches:
         if config == "fxzero":
             _instrument_fxzero(patches, out, launches)
-        cmodel, opt, state_bytes = _build(config, model)
+        cmodel, opt, state_bytes = _build(config, model, bucket_size)
         with contextlib.ExitStack() as counting:
             for step in range(1, warmup + steps + 2):
                 x, y = get_batch(data, step, batch, rank, world, torch.device("cpu"))
@@ -288,7 +288,7 @@ def _run_all(args: argparse.Namespace) -> tuple[dict, dict]:
             start = time.perf_counter()
             try:
                 run_ranks(args.world, _prewarm, timeout=600)
-                res = run_ranks(args.world, _train, config, args.steps, args.warmup, timeout=1800)
+                res = run_ranks(args.world, _train, config, args.steps, args.warmup, args.bucket_size, timeout=1800)
                 per_round[config].append(statistics.median(_steps_ms(res)))
                 if config in results:
                     for old, new in zip(results[config], res):
@@ -397,13 +397,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 3; the last one is profiled)")
     p.add_argument("--rounds", type=int, default=1, help="run every config this many times (order rotated)")
     p.add_argument("--only", nargs="+", default=list(CONFIGS), choices=CONFIGS, metavar="CONFIG", help=f"subset of {CONFIGS}")
+    p.add_argument("--bucket-size", type=int, default=1_000_000, help="fxzero's Config.bucket_size (elements)")
     p.add_argument("--png", default="compare.png", help="where to write the chart (needs matplotlib)")
     args = p.parse_args()
     if args.warmup < 3 or args.steps < 1 or args.rounds < 1 or args.world < 2:
         p.error("need --warmup >= 3, --steps >= 1, --rounds >= 1 and --world >= 2")
     n_params = sum(p.numel() for p in Transformer(ModelArgs()).parameters())
     print(f"# fxzero vs peers: torch {torch.__version__}, gloo, {args.world} ranks x 1 thread, GPT {n_params:,} params, "
-          f"seq 128, batch {PER_RANK}/rank; {args.rounds} round(s) x ({args.warmup} warm-up + {args.steps} timed steps)\n")
+          f"seq 128, batch {PER_RANK}/rank, fxzero bucket_size {args.bucket_size:,}; {args.rounds} round(s) x ({args.warmup} warm-up + {args.steps} timed steps)\n")
     results, per_round = _run_all(args)
     reference = _reference_losses(args.warmup + args.steps + 1, args.world)
     rows, medians = _rows(results, reference)
