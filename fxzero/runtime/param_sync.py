@@ -88,7 +88,7 @@ class ParamSync:
         self._launch_through(self._position[index] + 1)
         work = self._works[index]
         if work is not None:
-            work.wait()
+            self.dp.wait(work, "param all-gather", index, self.buckets[index].params)
             self._works[index] = None
         self._stale[index] = False
 
