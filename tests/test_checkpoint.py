@@ -16,7 +16,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -192,6 +191,7 @@ def test_another_optimizer_class_is_named(tmp_path: Path) -> None:
         ("garbage_manifest", r"fxzero\.json is unreadable"),
         ("delete", r"__0_0\.distcp is missing"),
     ],
+    ids=["truncate", "flip", "garbage_metadata", "garbage_manifest", "delete"],
 )
 def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: str, match: str) -> None:
     path = _trained_checkpoint(tmp_path)
@@ -228,6 +228,7 @@ import os, signal, sys, torch, fxzero
 import torch.distributed.checkpoint as dcp
 import fxzero.runtime.checkpoint as ckpt
 ckpt_dir, where = sys.argv[1], sys.argv[2]
+os.makedirs(ckpt_dir)
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
 opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, module=model)
@@ -250,19 +251,31 @@ fxzero.save_checkpoint(ckpt_dir, model, opt, step=2)
 """
 
 
-@pytest.mark.parametrize("where", ["data", "metadata", "commit"])
-def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path, where: str) -> None:
+def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
+    """Killed while DCP writes data, before DCP's metadata, and after the manifest but before
+    the rename (three processes at once)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(_REPO), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, "-c", _KILLED_SAVE, str(tmp_path), where], env=env, capture_output=True, timeout=120)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
-    assert [p.name.split(".tmp-")[0] for p in tmp_path.glob("step_0000002.tmp-*")] == ["step_0000002"]
-    latest = fxzero.latest_checkpoint(tmp_path)
-    assert latest == tmp_path / "step_0000001"
+    points = ("data", "metadata", "commit")
+    procs = {
+        where: subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, str(tmp_path / where), where], env=env, stderr=subprocess.PIPE)
+        for where in points
+    }
+    for where, proc in procs.items():
+        _, stderr = proc.communicate(timeout=120)
+        assert proc.returncode == -signal.SIGKILL, (where, stderr.decode()[-2000:])
+    for where in points:
+        _check_previous_checkpoint(tmp_path / where)
+
+
+def _check_previous_checkpoint(ckpt_dir: Path) -> None:
+    assert [p.name.split(".tmp-")[0] for p in ckpt_dir.glob("step_0000002.tmp-*")] == ["step_0000002"]
+    latest = fxzero.latest_checkpoint(ckpt_dir)
+    assert latest == ckpt_dir / "step_0000001"
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, module=model)
     assert fxzero.load_checkpoint(latest, model, opt)["step"] == 1
-    for key, value in torch.load(tmp_path / "expected.pt").items():
+    for key, value in torch.load(ckpt_dir / "expected.pt").items():
         assert torch.equal(model.state_dict()[key], value), key
 
 

@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .checkpoint_state import (
+    MANIFEST,
     CheckpointError,
     ChunkLoadPlanner,
     ChunkSavePlanner,
@@ -57,8 +58,8 @@ from .optimizer import DistributedOptimizer
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 FORMAT = "fxzero.checkpoint/1"
-MANIFEST = "fxzero.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+_MANIFEST_KEYS = {"step", "extra", "optimizer_class", "saved_world_size", "param_groups", "state", "files"}
 
 log = logging.getLogger(__name__)
 
@@ -128,8 +129,8 @@ def save_checkpoint(
     if ranks.dp.rank == 0:
         try:
             _commit(tmp, final, manifest)
-        except OSError as err:
-            failure = f"committing {tmp} as {final} failed: {err}"
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they would wait forever
+            failure = f"committing {tmp} as {final} failed: {err!r}"
     if (failure := ranks.broadcast(failure)) is not None:
         raise CheckpointError(failure)
     log.info("saved checkpoint %s", final)
@@ -259,6 +260,8 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {err}") from err
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a {FORMAT} manifest")
+    if missing := sorted(_MANIFEST_KEYS - set(manifest)):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} lacks {missing}")
     return manifest
 
 

@@ -24,7 +24,10 @@ import dataclasses
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+)
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
@@ -32,7 +35,11 @@ from torch.distributed.checkpoint.metadata import (
     TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import (
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from .layout import Fragment, shard_fragments
@@ -57,6 +64,7 @@ __all__ = [
 ]
 
 MODEL, OPTIM = "model/", "optim/"
+MANIFEST = "fxzero.json"
 SHARDED, TENSOR = "sharded", "tensor"
 """Kinds of a per-param state entry (a non-tensor one is stored as ``["value", v]``)."""
 
@@ -141,7 +149,7 @@ def slot_names(model: torch.nn.Module, opt: "DistributedOptimizer") -> list[str]
 def owned_fragments(opt: "DistributedOptimizer") -> list[tuple[FragmentTensor, Fragment]]:
     """This rank's fragments: the tensor the wrapped optimizer steps and where it lies in its param."""
     layout = [frag for buffer in opt.buffers for frag in shard_fragments(buffer.plan, opt.dp.rank)]
-    return list(zip(opt.fragments, layout))  # build_shards walks buffers and fragments in this order
+    return list(zip(opt.fragments, layout, strict=True))  # build_shards walks buffers and fragments in this order
 
 
 def _kind(value: Any, fragment_numel: int, where: str) -> Any:
@@ -178,8 +186,12 @@ def check_compatible(
     problems += _group_differences(manifest["param_groups"], opt, names)
     for slot, name in enumerate(names):
         entry = metadata.state_dict_metadata.get(f"{OPTIM}{name}/main")
-        if not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != (opt.params[slot].numel(),):
-            problems.append(f"param {name!r}: no fp32 master values of {opt.params[slot].numel()} elements in the checkpoint")
+        numel = opt.params[slot].numel()
+        if numel and (not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != (numel,)):
+            problems.append(f"param {name!r}: no fp32 master values of {numel} elements in the checkpoint")
+        for key, kind in manifest["state"].get(name, {}).items():
+            if kind in (SHARDED, TENSOR) and f"{OPTIM}{name}/{key}" not in metadata.state_dict_metadata:
+                problems.append(f"optimizer state {key!r} of {name!r} is in {MANIFEST} but not in the data")
     if problems:
         raise CheckpointError("checkpoint does not match the model/optimizer:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
 
@@ -225,16 +237,19 @@ def load_targets(
     device = torch.device("cpu")  # the wrapped optimizer's load_state_dict moves state where it belongs
     for frag, where in owned_fragments(opt):
         name, numel = names[frag.slot], opt.params[frag.slot].numel()
-        fresh = lambda dtype: Chunk(torch.empty(where.numel, dtype=dtype, device=device), where.param_offset, numel)  # noqa: E731
-        targets[f"{OPTIM}{name}/main"] = fresh(torch.float32)
+        targets[f"{OPTIM}{name}/main"] = _fresh_chunk(where, numel, torch.float32, device)
         for key, kind in spec.get(name, {}).items():
             fqn = f"{OPTIM}{name}/{key}"
             if kind == SHARDED:
-                targets[fqn] = fresh(metadata.state_dict_metadata[fqn].properties.dtype)
+                targets[fqn] = _fresh_chunk(where, numel, metadata.state_dict_metadata[fqn].properties.dtype, device)
             elif kind == TENSOR:
                 entry = metadata.state_dict_metadata[fqn]
                 targets[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
     return targets
+
+
+def _fresh_chunk(where: Fragment, numel: int, dtype: torch.dtype, device: torch.device) -> Chunk:
+    return Chunk(torch.empty(where.numel, dtype=dtype, device=device), where.param_offset, numel)
 
 
 @torch.no_grad()
