@@ -124,7 +124,7 @@ def save_checkpoint(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkSavePlanner(), **ranks.dcp_kwargs())
-    manifest["files"] = _merge(ranks.all_gather(_describe_files(tmp, _my_share(tmp, ranks))))
+    manifest["files"] = _merge(ranks.all_gather(_describe_files(_my_share(tmp, ranks))))
     failure = None
     if ranks.dp.rank == 0:
         try:
@@ -217,7 +217,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _describe_files(directory: Path, files: Sequence[Path]) -> dict[str, dict[str, Any]]:
+def _describe_files(files: Sequence[Path]) -> dict[str, dict[str, Any]]:
     return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
 
 
