@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import resource
+import signal
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -151,6 +152,8 @@ def main():
     p.add_argument("--accum", type=int, default=1, help="microbatches per step")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--data", default=None, help="a text file (default: the stdlib's .py files)")
+    p.add_argument("--ckpt-dir", default=None, help="resume from the latest checkpoint here; save into it")
+    p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
     args = p.parse_args()
     t_start = time.perf_counter()
 
@@ -193,7 +196,9 @@ def main():
     tokens_per_step = args.global_batch * args.seq
     losses, skipped = [], 0
     loss_sum, n_sum, t_last = torch.zeros((), device=device), 0, time.perf_counter()
-    for step in range(1, args.steps + 1):
+    first_step = resume(args.ckpt_dir, model, opt, log)
+    for step in range(first_step, args.steps + 1):
+        die_if_asked(step, rank, world)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         x, y = get_batch(train_data, step, args, rank, world, device)
@@ -206,6 +211,8 @@ def main():
             loss_sum += loss.detach()
         result = opt.step()  # finish reduce-scatters, AdamW on this rank's shard, all-gather
         opt.zero_grad()
+        if args.ckpt_dir and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
+            fxzero.save_checkpoint(args.ckpt_dir, model, opt, step=step)  # every rank writes its shard
         skipped += result.skipped
         n_sum += 1
         if step == 1 or step % args.log_every == 0 or step == args.steps:
@@ -234,7 +241,7 @@ def main():
     unpadded = sum(b.plan.numel_unpadded for b in opt.buffers)
     collectives = f"{2 * n_buckets + 1} ({n_buckets} reduce-scatter + {n_buckets} all-gather + 1 all-reduce)"
     rows = [
-        ("train loss (first → last)", f"{losses[0]:.4f} → {losses[-1]:.4f}"),
+        ("train loss (first → last)", f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "none (resumed at the end)"),
         ("val loss", f"{val_loss:.4f}"),
         ("params", f"{n_params:,}"),
         ("buckets", f"{n_buckets} (bucket size {args.bucket_size:,}; buffer {padded:,} elems, {unpadded:,} unpadded)"),
@@ -249,6 +256,28 @@ def main():
     log(tabulate(rows, headers=["", "value"], tablefmt="github"))
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+# ---- checkpoints and the restart drill -------------------------------------------------
+def resume(ckpt_dir, model, opt, log):
+    """The first step to run: 1, or the one after the latest checkpoint in ckpt_dir (saved at
+    any world size). Batches and the LR are pure functions of the step, so a resumed run
+    repeats exactly what an uninterrupted one would have done."""
+    path = fxzero.latest_checkpoint(ckpt_dir) if ckpt_dir else None
+    if path is None:
+        return 1
+    step = fxzero.load_checkpoint(path, model, opt)["step"]
+    log(f"resumed from {path} (step {step})")
+    return step + 1
+
+
+def die_if_asked(step, rank, world):
+    """FXZERO_EXAMPLE_KILL_AT_STEP=N: the last rank SIGKILLs itself at step N, on torchrun's
+    first attempt only (benchmarks/restart_drill.py, tests/test_checkpoint.py)."""
+    kill_at = os.environ.get("FXZERO_EXAMPLE_KILL_AT_STEP")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if kill_at and int(kill_at) == step and first_attempt and rank == world - 1:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 if __name__ == "__main__":

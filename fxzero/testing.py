@@ -98,16 +98,16 @@ class RankPool:
         deadline = time.monotonic() + timeout
         values: dict[int, Any] = {}
         errors: dict[int, str] = {}
-        while len(values) + len(errors) < self.world_size:
-            remaining = deadline - time.monotonic() if not errors else min(5.0, deadline - time.monotonic())
+        in_grace = False
+        while len(values) + len(errors) < self.world_size and time.monotonic() < deadline:
             try:
-                rank, ok, value = self._results.get(timeout=max(remaining, 0.01))
-            except queue.Empty:
-                break
-            (values if ok else errors)[rank] = value
-        for rank, proc in enumerate(self._procs):
-            if rank not in values and rank not in errors and not proc.is_alive():
-                errors[rank] = f"rank {rank} process died (exit code {proc.exitcode}) without a Python exception"
+                rank, ok, value = self._results.get(timeout=0.2)
+                (values if ok else errors)[rank] = value
+            except queue.Empty:  # drained: a rank that is not running any more has died
+                self._note_dead(values, errors)
+            if errors and not in_grace:  # the others get a short grace: ranks blocked with a failed one never answer
+                deadline, in_grace = min(deadline, time.monotonic() + 5.0), True
+        self._note_dead(values, errors)
         if errors:
             self.close()
             detail = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items()))
@@ -117,6 +117,11 @@ class RankPool:
             missing = sorted(set(range(self.world_size)) - set(values))
             raise RankTimeout(f"{what}: rank(s) {missing} of {self.world_size} did not finish within {timeout:.0f}s")
         return [values[r] for r in range(self.world_size)]
+
+    def _note_dead(self, values: dict[int, Any], errors: dict[int, str]) -> None:
+        for rank, proc in enumerate(self._procs):
+            if rank not in values and rank not in errors and not proc.is_alive():
+                errors[rank] = f"rank {rank} process died (exit code {proc.exitcode}) without a Python exception"
 
     def close(self) -> None:
         """Stop the ranks (politely if idle, by force after a short grace)."""

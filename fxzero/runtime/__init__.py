@@ -1,7 +1,8 @@
 """fxzero's runtime: layout plans, flat buffers, gradient sync and the sharded optimizer."""
 
 from .buffers import Bucket, ParamAndGradBuffer, shard_buffer
-from .comm import DataParallelGroup
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
+from .comm import CollectiveError, DataParallelGroup
 from .grad_sync import GradSync
 from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, plan_buckets, shard_fragments
 from .optimizer import DistributedOptimizer, StepResult
@@ -10,6 +11,8 @@ __all__ = [
     "Bucket",
     "BucketPlan",
     "BufferPlan",
+    "CheckpointError",
+    "CollectiveError",
     "DataParallelGroup",
     "DistributedOptimizer",
     "Fragment",
@@ -17,7 +20,10 @@ __all__ = [
     "ParamAndGradBuffer",
     "StepResult",
     "bucket_divisor",
+    "latest_checkpoint",
+    "load_checkpoint",
     "plan_buckets",
+    "save_checkpoint",
     "shard_buffer",
     "shard_fragments",
 ]

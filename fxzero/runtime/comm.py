@@ -8,12 +8,27 @@ is a first-class case in which no collective is ever issued.
 from __future__ import annotations
 
 import dataclasses
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallelGroup"]
+__all__ = ["CollectiveError", "DataParallelGroup", "describe_params"]
+
+
+class CollectiveError(RuntimeError):
+    """A collective fxzero was waiting for failed or timed out: a peer rank died or
+    stopped answering. The message names the collective, the bucket and this rank; the
+    process group cannot be used afterwards, so the job should exit (and restart from its
+    last checkpoint)."""
+
+
+def describe_params(params: Sequence[torch.Tensor], limit: int = 4) -> str:
+    """``a.weight, b.bias, … (12 params, 1,050,112 elements)``: names where the optimizer
+    was given a module (``_fxzero_name``), shapes otherwise."""
+    labels = [getattr(p, "_fxzero_name", None) or f"shape {tuple(p.shape)}" for p in params]
+    shown = ", ".join(labels[:limit]) + (", …" if len(labels) > limit else "")
+    return f"{shown} ({len(labels)} params, {sum(p.numel() for p in params):,} elements)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,6 +79,21 @@ class DataParallelGroup:
         """Gather every rank's ``input`` shard into ``output`` (in place when ``input`` is a view of it)."""
         return dist.all_gather_single(output, input, group=self.group, async_op=True)
 
-    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+    def all_reduce_sum(self, tensor: torch.Tensor, what: str = "all-reduce of the grad norm and gradient flags") -> None:
         if self.size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+            self.wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True), what)
+
+    def wait(self, work: dist.Work, what: str, bucket: Optional[int] = None, params: Sequence[torch.Tensor] = ()) -> None:
+        """``work.wait()``, turning a failure (a dead peer's closed connection, or the
+        process group's timeout for one that stopped answering) into a
+        :class:`CollectiveError` that says what this rank was waiting for. Only the error
+        path builds the message: this runs for every bucket of every step."""
+        try:
+            work.wait()
+        except RuntimeError as err:  # DistBackendError and gloo's timeouts are RuntimeErrors
+            where = f" of bucket {bucket}" if bucket is not None else ""
+            where += f" (params: {describe_params(params)})" if params else ""
+            raise CollectiveError(
+                f"fxzero: rank {self.rank} of {self.size} failed waiting for the {what}{where}: {err}. "
+                "A peer rank probably died or stopped answering; this process group cannot be used any more."
+            ) from err

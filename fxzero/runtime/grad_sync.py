@@ -213,7 +213,7 @@ class GradSync:
         """Wait for the reduce-scatters already launched; launch nothing."""
         for index, work in enumerate(self._works):
             if work is not None:
-                work.wait()
+                self.dp.wait(work, "gradient reduction", index, self.buckets[index].params)
                 self._works[index] = None
 
     def reset(self) -> None:

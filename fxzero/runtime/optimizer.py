@@ -41,7 +41,7 @@ from .mxfp8_gather import Mxfp8Gather
 from .param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .layout import plan_buckets
 from .shards import build_shards
-from .validation import check_group_keys, check_managed_params, check_optimizer_kwargs, layout_order
+from .validation import check_group_keys, check_managed_params, check_optimizer_kwargs, layout_order, tag_param_names
 
 __all__ = ["DistributedOptimizer", "StepResult"]
 
@@ -109,6 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
         self._build_runtime()
         if module is not None:
+            tag_param_names(module, self.params)
             handles = install_param_waits(module, self.buckets, self.param_sync)
             weakref.finalize(self, _remove_handles, handles)
 

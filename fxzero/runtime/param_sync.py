@@ -134,7 +134,7 @@ class ParamSync:
         self._launch_through(self._position[index] + 1)
         work = self._works[index]
         if work is not None:
-            work.wait()
+            self.dp.wait(work, "param all-gather", index, self.buckets[index].params)
             self._works[index] = None
         self.gather.land(index)
         self._stale[index] = False

@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["check_group_keys", "check_managed_params", "check_optimizer_kwargs", "layout_order"]
+__all__ = ["check_group_keys", "check_managed_params", "check_optimizer_kwargs", "layout_order", "tag_param_names"]
 
 log = logging.getLogger(__name__)
 
@@ -103,3 +103,12 @@ def layout_order(
     if not inside:
         raise ValueError("module holds none of the optimizer's params; pass the model they belong to")
     return tuple(inside) + tuple(p for p in params if id(p) not in rank)
+
+
+def tag_param_names(module: torch.nn.Module, params: Sequence[torch.nn.Parameter]) -> None:
+    """Remember each managed param's module path (``_fxzero_name``), so that a failed
+    collective can name the params of the bucket it was waiting for."""
+    managed = {id(p) for p in params}
+    for name, param in module.named_parameters():
+        if id(param) in managed:
+            param._fxzero_name = name
