@@ -271,10 +271,8 @@ def apply_loaded(
             local_state[index_of[id(frag.param)]] = state
     # torch.optim's own loader puts each state tensor on the device and dtype its policy wants
     opt.local.load_state_dict({"state": local_state, "param_groups": opt.local.state_dict()["param_groups"]})
-    for shard in opt.shards:
-        if not shard.main_is_param:
-            shard.bucket.param_shards[opt.dp.rank].copy_(shard.main)
-    opt.start_param_sync()
+    opt.finish_param_sync()  # nothing in flight may land over the loaded values
+    opt._write_back_and_gather()  # masters -> the gather's input (param shard or MXFP8 row), launch
     opt.finish_param_sync()
 
 
