@@ -1,7 +1,7 @@
-"""Train a small byte-level GPT with fxzero.DistributedOptimizer (ZeRO-1 AdamW).
+"""Train a small byte-level GPT with fxzero: ZeRO-1 AdamW + torch.compile(backend="fxzero").
 
     torchrun --nproc-per-node 2 examples/train_gpt.py    # 2 ranks (gloo on CPU, NCCL on GPU)
-    python examples/train_gpt.py --steps 20               # 1 rank, no process group
+    python examples/train_gpt.py --steps 20 --compile none   # 1 rank, eager, no process group
 
 Data: the Python standard library's own .py files (about 2 MB, read in sorted order),
 or --data FILE; one token per byte. Each step draws a global batch of --global-batch
@@ -149,6 +149,10 @@ def main():
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per gradient bucket")
+    p.add_argument("--compile", choices=["inductor", "eager", "none"], default="inductor",
+                   help="fxzero's inner compiler, or none for no torch.compile")
+    p.add_argument("--mxfp8", action="store_true", help="all-gather params as MXFP8 (into the grad buffer)")
+    p.add_argument("--no-prefetch", action="store_true", help="gather params inside step(), not in the next forward")
     p.add_argument("--accum", type=int, default=1, help="microbatches per step")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--data", default=None, help="a text file (default: the stdlib's .py files)")
@@ -184,17 +188,20 @@ def main():
     ]
     opt = fxzero.DistributedOptimizer(
         groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), process_group=None,
-        config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0),
+        config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0, overlap_param_gather=not args.no_prefetch,
+                             mxfp8_param_gather=args.mxfp8, reuse_grad_buf_for_mxfp8_param_ag=args.mxfp8),
         module=model,  # lay buckets out in registration order (the groups split the model)
     )
-    # (A later `--compile` flag wraps the model here: model = torch.compile(model, backend=...).)
+    train_model = model  # fxzero's passes put each bucket's reduce-scatter and all-gather wait into the graphs
+    if args.compile != "none":
+        train_model = torch.compile(model, backend="fxzero", options={"inner_compiler": args.compile})
 
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     log(f"fxzero GPT: {n_params:,} params, {len(opt.buckets)} buckets, world {world}, {device.type}, "
         f"{len(train_data):,} train / {len(val_data):,} val bytes")
     micro = args.global_batch // world // args.accum
     tokens_per_step = args.global_batch * args.seq
-    losses, skipped = [], 0
+    losses, skipped, first_ms = [], 0, 0.0
     loss_sum, n_sum, t_last = torch.zeros((), device=device), 0, time.perf_counter()
     first_step = resume(args.ckpt_dir, model, opt, log)
     for step in range(first_step, args.steps + 1):
@@ -206,7 +213,7 @@ def main():
             # All but the last microbatch only accumulate into main_grad; the last
             # backward launches each bucket's reduce-scatter as soon as its grads are in.
             with opt.no_sync() if i < args.accum - 1 else contextlib.nullcontext():
-                loss = model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / args.accum
+                loss = train_model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / args.accum
                 loss.backward()
             loss_sum += loss.detach()
         result = opt.step()  # finish reduce-scatters, AdamW on this rank's shard, all-gather
@@ -221,6 +228,7 @@ def main():
             ms = 1000 * (now - t_last) / n_sum
             losses.append(mean_loss)
             log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:4.0f} ms/step | {tokens_per_step / ms * 1000:,.0f} tok/s")
+            first_ms = first_ms or ms  # the first step compiles
             loss_sum.zero_()
             n_sum, t_last = 0, now
 
@@ -239,8 +247,13 @@ def main():
     state = reduce(opt.state_bytes, dist.ReduceOp.MAX, device)
     n_buckets, padded = len(opt.buckets), sum(b.plan.numel for b in opt.buffers)
     unpadded = sum(b.plan.numel_unpadded for b in opt.buffers)
-    collectives = f"{2 * n_buckets + 1} ({n_buckets} reduce-scatter + {n_buckets} all-gather + 1 all-reduce)"
+    reduction = "reduce-scatter" if opt.dp.grad_collective == "reduce_scatter" else "all-reduce (gloo's faster path)"
+    gather = "MXFP8 all-gather" if args.mxfp8 else "all-gather"
+    collectives = f"{2 * n_buckets + 1} ({n_buckets} grad {reduction} + {n_buckets} {gather} + 1 norm all-reduce)"
+    setup = (f"world {world}, compile {args.compile}, prefetch {'off' if args.no_prefetch else 'on'}, "
+             f"MXFP8 gather {'on (in the grad buffer)' if args.mxfp8 else 'off'}")
     rows = [
+        ("setup", setup),
         ("train loss (first → last)", f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "none (resumed at the end)"),
         ("val loss", f"{val_loss:.4f}"),
         ("params", f"{n_params:,}"),
@@ -249,8 +262,8 @@ def main():
         ("optimizer state / rank (max)", f"{state / 2**20:.2f} MiB (plain AdamW: {8 * n_params / 2**20:.2f} MiB)"),
         ("peak memory / rank (max)", f"{peak / 2**20:.0f} MiB ({'cuda allocated' if on_gpu else 'max RSS'})"),
         ("skipped steps", skipped),
-        ("world size", world),
         ("steps × tokens/step", f"{args.steps} × {tokens_per_step:,}"),
+        ("first step (compiles)", f"{first_ms / 1000:.1f} s"),
         ("wall time", f"{time.perf_counter() - t_start:.1f} s"),
     ]
     log(tabulate(rows, headers=["", "value"], tablefmt="github"))

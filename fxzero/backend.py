@@ -21,7 +21,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
-from functorch.compile import default_partition, make_boxed_func, min_cut_rematerialization_partition
+from functorch.compile import default_partition, make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -178,6 +178,7 @@ def _compile_bound(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Back
     inductor = opts.inner_compiler == "inductor"
     decompositions = None
     if inductor:
+        from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
         from torch._inductor.decomposition import select_decomp_table
 
         decompositions = select_decomp_table()
@@ -186,7 +187,8 @@ def _compile_bound(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Back
         bw_compiler=graph.compile_backward,
         inference_compiler=graph.compile_inference,
         decompositions=decompositions,
-        partition_fn=min_cut_rematerialization_partition if inductor else default_partition,
+        # Inductor's own partitioner: its joint-graph passes, then min-cut rematerialization
+        partition_fn=inductor_partition_fn if inductor else default_partition,
         keep_inference_input_mutations=True,
     )
     return backend(gm, example_inputs)
@@ -221,6 +223,10 @@ def fxzero_backend(
     if mode is not None:
         raise ValueError(f"fxzero does not take torch.compile(mode={mode!r}); pass options={{'inner_compiler': ...}}")
     opts = BackendOptions.from_mapping(options)
+    if opts.inner_compiler == "inductor":  # as torch.compile's Inductor backend does, before AOTAutograd
+        from torch._inductor.compile_fx import _recursive_pre_grad_passes
+
+        gm = _recursive_pre_grad_passes(gm, example_inputs)
     positions = [i for i, x in enumerate(example_inputs) if _owner(x) is not None]
     if not positions:
         if _has_unmanaged_trainable_params(example_inputs):
