@@ -56,6 +56,14 @@ def _numel(bucket: Any) -> int:
     return sum(p.numel() for p in bucket.params)
 
 
+def _gather_bytes(bucket: Any, optimizer: Any) -> Any:
+    """What the bucket's all-gather moves: its param bytes, or MXFP8 codes + scales."""
+    gather = optimizer.gather
+    if hasattr(gather, "bytes_per_gather"):
+        return f"{gather.bytes_per_gather(bucket.index)} (MXFP8)"
+    return bucket.param_data.numel() * bucket.param_data.element_size()
+
+
 def _bucket_row(bucket: Any, explained: "Explained") -> list[Any]:
     names, padded, numel = explained.names, bucket.param_data.numel(), _numel(bucket)
     shard = padded // explained.optimizer.dp.size
@@ -70,7 +78,7 @@ def _bucket_row(bucket: Any, explained: "Explained") -> list[Any]:
         shard,
         "yes" if shard % _ALIGN == 0 else "no",
         padded * bucket.grad_data.element_size(),
-        padded * bucket.param_data.element_size(),
+        _gather_bytes(bucket, explained.optimizer),
         f"{_dtype(bucket.param_data)}/{_dtype(bucket.grad_data)}",
         _graphs_of_bucket(explained, bucket.index),
     ]
