@@ -234,3 +234,38 @@ def test_gather_lands_in_the_grad_buffer_and_allocates_no_gather_buffer() -> Non
         assert not any(b["inside"]) and b["buffer"]
         assert b["runtime_bytes"] - a["runtime_bytes"] == b["payload"] == a["payload"]
         assert a["landing_allocated"] == 0, a  # launch + wait + dequantize + zero: no allocation
+
+
+# ---- checkpoints ----------------------------------------------------------------------
+def _steps(model: torch.nn.Module, opt: fxzero.DistributedOptimizer, steps: range) -> list[float]:
+    rank, world = opt.dp.rank, opt.dp.size
+    local, losses = 8 // world, []
+    for step in steps:
+        x, y = batch("gpt", step, 8)
+        loss = loss_fn("gpt", model(x[rank * local : (rank + 1) * local]), y[rank * local : (rank + 1) * local])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    return losses
+
+
+def _mxfp8_resume(ckpt_dir: str) -> dict:
+    model = build("gpt")
+    opt = _optimizer(model, Run())
+    _steps(model, opt, range(0, 3))
+    fxzero.save_checkpoint(ckpt_dir, model, opt, step=3)  # gathers are in flight: it lands them first
+    continued = _steps(model, opt, range(3, 6))
+    other = build("gpt", seed=1)
+    other_opt = _optimizer(other, Run())
+    fxzero.load_checkpoint(fxzero.latest_checkpoint(ckpt_dir), other, other_opt)
+    return {"continued": continued, "resumed": _steps(other, other_opt, range(3, 6))}
+
+
+def test_checkpoint_resume_with_mxfp8_gather_in_the_grad_buffer(tmp_path) -> None:
+    """Loading publishes the fp32 masters through the MXFP8 gather: the resumed run
+    computes on the same MXFP8 weights as the one that went on."""
+    for result in run_ranks(2, _mxfp8_resume, str(tmp_path)):
+        torch.testing.assert_close(result["resumed"], result["continued"], atol=1e-6, rtol=0)
