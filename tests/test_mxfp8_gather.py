@@ -24,6 +24,7 @@ from fxzero.runtime import plan_buckets
 from fxzero.testing import run_ranks
 
 from models import batch, build, loss_fn, param_groups
+from test_checkpoint import _train as _train_steps
 
 LR, CLIP, BUCKET, STEPS = 1e-2, 0.5, 2000, 10
 
@@ -237,31 +238,16 @@ def test_gather_lands_in_the_grad_buffer_and_allocates_no_gather_buffer() -> Non
 
 
 # ---- checkpoints ----------------------------------------------------------------------
-def _steps(model: torch.nn.Module, opt: fxzero.DistributedOptimizer, steps: range) -> list[float]:
-    rank, world = opt.dp.rank, opt.dp.size
-    local, losses = 8 // world, []
-    for step in steps:
-        x, y = batch("gpt", step, 8)
-        loss = loss_fn("gpt", model(x[rank * local : (rank + 1) * local]), y[rank * local : (rank + 1) * local])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
-    return losses
-
-
 def _mxfp8_resume(ckpt_dir: str) -> dict:
     model = build("gpt")
     opt = _optimizer(model, Run())
-    _steps(model, opt, range(0, 3))
+    _train_steps("gpt", model, opt, range(0, 3))
     fxzero.save_checkpoint(ckpt_dir, model, opt, step=3)  # gathers are in flight: it lands them first
-    continued = _steps(model, opt, range(3, 6))
+    continued = _train_steps("gpt", model, opt, range(3, 6))
     other = build("gpt", seed=1)
     other_opt = _optimizer(other, Run())
     fxzero.load_checkpoint(fxzero.latest_checkpoint(ckpt_dir), other, other_opt)
-    return {"continued": continued, "resumed": _steps(other, other_opt, range(3, 6))}
+    return {"continued": continued, "resumed": _train_steps("gpt", other, other_opt, range(3, 6))}
 
 
 def test_checkpoint_resume_with_mxfp8_gather_in_the_grad_buffer(tmp_path) -> None:
