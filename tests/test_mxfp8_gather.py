@@ -63,6 +63,7 @@ class Run:
     accum: int = 1
     steps: int = STEPS
     mxfp8: bool = True
+    inner: str = "eager"
 
 
 def _optimizer(model: torch.nn.Module, run: Run) -> fxzero.DistributedOptimizer:
@@ -80,7 +81,7 @@ def _train(run: Run, capture_grads_at: int = -1) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(run.name)
     opt = _optimizer(model, run)
-    forward = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"}) if run.compiled else model
+    forward = torch.compile(model, backend="fxzero", options={"inner_compiler": run.inner}) if run.compiled else model
     losses, grads = [], None
     local = 8 // world
     for step in range(run.steps):
@@ -146,8 +147,9 @@ def _train_reference(name: str, steps: int = STEPS, round_trip: bool = True) -> 
         (Run("mlp", compiled=True, accum=4), 2),  # 4 microbatches under no_sync
         (Run("gpt"), 1),  # no collective, still MXFP8 weights
         (Run("mlp", compiled=True, prefetch=False), 4),
+        (Run("gpt", compiled=True, inner="inductor"), 2),  # the wait op lands buckets inside Inductor code
     ],
-    ids=lambda v: v if isinstance(v, int) else f"{v.name}-reuse{int(v.reuse)}-prefetch{int(v.prefetch)}-compiled{int(v.compiled)}-accum{v.accum}",
+    ids=lambda v: v if isinstance(v, int) else f"{v.name}-reuse{int(v.reuse)}-prefetch{int(v.prefetch)}-{v.inner if v.compiled else 'uncompiled'}-accum{v.accum}",
 )
 def test_mxfp8_gather_matches_eager_round_trip_reference(run: Run, world: int) -> None:
     reference = _train_reference(run.name)
