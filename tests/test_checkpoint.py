@@ -279,6 +279,42 @@ def _check_previous_checkpoint(ckpt_dir: Path) -> None:
         assert torch.equal(model.state_dict()[key], value), key
 
 
+def _die(*args: object, **kwargs: object) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _second_save_loses_a_rank(ckpt_dir: str) -> None:
+    """Save at step 2; at step 3 rank 1 is SIGKILLed while DCP writes its data."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _make("mlp", 2000)
+    _train("mlp", model, opt, range(0, 2))
+    fxzero.save_checkpoint(ckpt_dir, model, opt, step=2)
+    if dist.get_rank() == 0:
+        torch.save({k: v.clone() for k, v in model.state_dict().items()}, Path(ckpt_dir) / "expected.pt")
+    _train("mlp", model, opt, range(2, 3))
+    if dist.get_rank() == 1:
+        dcp.FileSystemWriter.write_data = _die
+    fxzero.save_checkpoint(ckpt_dir, model, opt, step=3)
+
+
+def test_a_rank_killed_during_a_two_rank_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
+    """The survivor fails (it cannot finish the save's collectives without its peer) instead
+    of committing a half-written checkpoint; the previous one loads, here on one rank."""
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank 1 process died \(exit code -9\)"):
+        run_ranks(2, _second_save_loses_a_rank, str(tmp_path), timeout=120)
+    assert time.monotonic() - start < 60
+    assert not (tmp_path / "step_0000003").exists()
+    assert len(list(tmp_path.glob("step_0000003.tmp-*"))) == 1
+    latest = fxzero.latest_checkpoint(tmp_path)
+    assert latest == tmp_path / "step_0000002"
+    model, opt = _make("mlp", 2000, seed=1)
+    assert fxzero.load_checkpoint(latest, model, opt)["step"] == 2
+    for key, value in torch.load(tmp_path / "expected.pt").items():
+        assert torch.equal(model.state_dict()[key], value), key
+
+
 def test_latest_checkpoint_picks_the_highest_committed_step(tmp_path: Path) -> None:
     assert fxzero.latest_checkpoint(tmp_path / "nothing") is None
     for name in ("step_0000002", "step_0000010", "step_0000011.tmp-abc", "step_0000012"):
