@@ -101,6 +101,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--compile", action="store_true", help="torch.compile(backend='fxzero') (Inductor)")
     args = parser.parse_args()
+    if args.steps <= WARMUP:
+        parser.error(f"--steps must be > {WARMUP} (the warm-up steps)")
     results = {}
     try:
         for name, flags in CONFIGS.items():

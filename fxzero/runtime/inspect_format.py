@@ -58,10 +58,8 @@ def _numel(bucket: Any) -> int:
 
 def _gather_bytes(bucket: Any, optimizer: Any) -> Any:
     """What the bucket's all-gather moves: its param bytes, or MXFP8 codes + scales."""
-    gather = optimizer.gather
-    if hasattr(gather, "bytes_per_gather"):
-        return f"{gather.bytes_per_gather(bucket.index)} (MXFP8)"
-    return bucket.param_data.numel() * bucket.param_data.element_size()
+    nbytes = optimizer.gather.bytes_per_gather(bucket.index)
+    return f"{nbytes} (MXFP8)" if optimizer.config.mxfp8_param_gather else nbytes
 
 
 def _bucket_row(bucket: Any, explained: "Explained") -> list[Any]:

@@ -28,6 +28,7 @@ which is safe because buckets land one at a time on the thread that runs the mod
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Optional, Sequence
 
 import torch
@@ -85,7 +86,7 @@ class Mxfp8Gather:
             self.buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
         scratch_numel = max((b.param_data.numel() // _BLOCK for b in buckets), default=0)
         self.scratch = torch.empty(scratch_numel, dtype=torch.float32, device=device)
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
         self.views = tuple(self._views(b, offset, size) for b, offset, size in zip(buckets, offsets, sizes))
 
     def _views(self, bucket: Bucket, offset: int, size: int) -> _BucketViews:

@@ -56,6 +56,9 @@ class Gather(Protocol):
     def land(self, index: int) -> None:
         """Bucket ``index``'s gather finished: make its params current."""
 
+    def bytes_per_gather(self, index: int) -> int:
+        """Bytes bucket ``index``'s all-gather outputs."""
+
 
 class PlainGather:
     """Gather each bucket's param shards into ``param_data`` in place."""
@@ -77,6 +80,9 @@ class PlainGather:
 
     def land(self, index: int) -> None:
         pass
+
+    def bytes_per_gather(self, index: int) -> int:
+        return self.buckets[index].param_data.nbytes
 
     nbytes = 0
 
