@@ -53,12 +53,16 @@ class Config:
     one all-reduce), with the same formula as ``torch.nn.utils.clip_grad_norm_``.
     ``None`` disables clipping; the norm is still computed and reported by ``step()``."""
 
-    grad_collective: Literal["auto", "reduce_scatter", "all_reduce"] = "auto"
+    grad_collective: Literal["auto", "reduce_scatter", "all_reduce", "all_to_all"] = "auto"
     """How gradients reach this rank's shard. ``"reduce_scatter"`` averages each bucket
-    straight into the rank's shard view (ZeRO's collective; NCCL's is the fastest);
-    ``"all_reduce"`` sums the whole bucket in place and scales the shard, which is
-    faster on gloo, whose CPU reduce-scatter is itself an all-reduce plus a copy.
-    ``"auto"``: all-reduce on gloo, reduce-scatter elsewhere."""
+    straight into the rank's shard view (ZeRO's collective; NCCL's is the fastest).
+    On gloo that is the slowest choice (it sets up a halving-doubling algorithm on every
+    call), so there are two more: ``"all_to_all"`` sends each rank its shard of the
+    bucket and sums the ``dp`` copies received (the same bytes as a reduce-scatter, plus
+    receive buffers for two buckets); ``"all_reduce"`` sums the whole bucket in place
+    (twice the bytes, no extra memory). ``"auto"``: all-to-all on gloo, reduce-scatter
+    elsewhere. Measured on gloo/CPU, 1.05M fp32 elements at 2 ranks: reduce-scatter
+    6.8-7.3 ms, all-reduce 4.6-5.9 ms, all-to-all + sum 2.3-3.3 ms."""
 
     overlap_param_gather: bool = True
     """Overlap the param all-gather after ``step()`` with the next forward: the step
@@ -97,9 +101,10 @@ class Config:
                 f"Config.grad_dtype must be one of {_GRAD_DTYPES} or None (the param dtype), "
                 f"got {self.grad_dtype!r}"
             )
-        if self.grad_collective not in ("auto", "reduce_scatter", "all_reduce"):
+        if self.grad_collective not in ("auto", "reduce_scatter", "all_reduce", "all_to_all"):
             raise ValueError(
-                f"Config.grad_collective must be 'auto', 'reduce_scatter' or 'all_reduce', got {self.grad_collective!r}"
+                f"Config.grad_collective must be 'auto', 'reduce_scatter', 'all_reduce' or 'all_to_all', "
+                f"got {self.grad_collective!r}"
             )
         if self.clip_grad is not None:
             if isinstance(self.clip_grad, bool) or not isinstance(self.clip_grad, (int, float)):

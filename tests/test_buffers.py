@@ -78,3 +78,32 @@ def test_optimizer_groups_params_by_dtype_into_buffers() -> None:
     # bf16 params keep separate fp32 main shards; fp32 params are their own mains
     assert [s.main_is_param for s in opt.shards] == [True, False]
     assert opt.shards[1].main.dtype == torch.float32
+
+
+def test_receive_ring_takes_turns_in_two_buffers_sized_for_the_largest_bucket() -> None:
+    from fxzero.runtime.buffers import ReceiveRing
+
+    params = make_params((200,), (64,), (300,), (8,), (200,))
+    plan = plan_buckets(params, dp_size=4, bucket_size=150)
+    buckets = ParamAndGradBuffer(params, plan, grad_dtype=torch.bfloat16).buckets
+    assert len(buckets) >= 3
+    ring = ReceiveRing(buckets, dp_size=4)
+    largest = max(b.grad_data.nbytes for b in buckets)
+    assert ring.slots == 2 and ring.nbytes == 2 * largest
+    starts = [v.data_ptr() for v in ring.views]
+    for i, (bucket, view, rows) in enumerate(zip(buckets, ring.views, ring.rows)):
+        assert view.dtype == torch.bfloat16 and view.shape == (4, bucket.grad_shards[0].numel())
+        assert starts[i] == starts[i % 2] and (i < 2 or starts[i] != starts[1 - i % 2])
+        assert [r.data_ptr() for r in rows] == [view[r].data_ptr() for r in range(4)]
+    assert len(ReceiveRing(buckets[:1], dp_size=4).views) == 1  # one bucket: one buffer
+    with pytest.raises(ValueError, match="slots"):
+        ReceiveRing(buckets, dp_size=4, slots=0)
+
+
+def test_sum_received_adds_rows_in_rank_order_into_the_shard() -> None:
+    from fxzero.runtime.comm import DataParallelGroup
+
+    rows = torch.arange(12.0).view(3, 4).unbind(0)
+    shard = torch.full((4,), 99.0)
+    DataParallelGroup.sum_received(shard, rows)
+    assert shard.tolist() == [12.0, 15.0, 18.0, 21.0]

@@ -235,7 +235,9 @@ def _hot_path_allocations(grad_collective: str) -> dict:
     # so that what is measured is fxzero's own launch/wait bookkeeping, at world size 2.
     with mock.patch.object(dist, "reduce_scatter_single", _no_op_collective), mock.patch.object(
         dist, "all_gather_single", _no_op_collective
-    ), mock.patch.object(dist, "all_reduce", _no_op_collective):
+    ), mock.patch.object(dist, "all_reduce", _no_op_collective), mock.patch.object(
+        dist, "all_to_all_single", _no_op_collective
+    ):
         comm_path()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             comm_path()
@@ -248,7 +250,7 @@ def _hot_path_allocations(grad_collective: str) -> dict:
     }
 
 
-@pytest.mark.parametrize("grad_collective", ["reduce_scatter", "all_reduce"])
+@pytest.mark.parametrize("grad_collective", ["reduce_scatter", "all_reduce", "all_to_all"])
 def test_communication_path_allocates_and_slices_nothing_and_views_never_move(grad_collective: str) -> None:
     for result in run_ranks(2, _hot_path_allocations, grad_collective):
         assert result["buckets"] >= 3

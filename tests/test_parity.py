@@ -46,6 +46,7 @@ def _train_distributed(name: str, bucket_size: int, steps: int = STEPS, grad_col
         "params": {n: v.clone() for n, v in model.state_dict().items()},  # waits for gathers
         "state_bytes": opt.state_bytes,
         "buckets": len(opt.buckets),
+        "collective": opt.dp.grad_collective,
     }
 
 
@@ -66,13 +67,18 @@ def _train_reference(name: str, steps: int = STEPS) -> dict:
 
 @pytest.mark.parametrize(
     ("name", "world", "grad_collective"),
-    [(n, w, "auto") for n in ("mlp", "gpt") for w in (1, 2, 4)] + [("gpt", 2, "reduce_scatter"), ("gpt", 4, "reduce_scatter")],
+    [(n, w, "auto") for n in ("mlp", "gpt") for w in (1, 2, 4)]
+    + [("gpt", w, c) for c in ("reduce_scatter", "all_reduce") for w in (2, 4)],
 )
 def test_parity_with_single_process_eager(name: str, world: int, grad_collective: str) -> None:
-    """"auto" is an all-reduce on gloo; the reduce-scatter into the shard view runs too."""
+    """"auto" is the all-to-all reduction on gloo (with more buckets than receive
+    buffers, so buckets wait for their buffer); the reduce-scatter into the shard view
+    and the in-place all-reduce run too."""
     reference = _train_reference(name)
     results = run_ranks(world, _train_distributed, name, BUCKET, grad_collective=grad_collective)
     assert results[0]["buckets"] >= 2
+    if world > 1:
+        assert results[0]["collective"] == ("all_to_all" if grad_collective == "auto" else grad_collective)
     for rank_result in results:
         torch.testing.assert_close(rank_result["losses"], reference["losses"], atol=1e-5, rtol=0)
         assert rank_result["params"].keys() >= reference["params"].keys()

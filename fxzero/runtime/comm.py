@@ -38,17 +38,21 @@ class DataParallelGroup:
     group: Optional[dist.ProcessGroup]
     size: int
     rank: int
-    grad_collective: Literal["reduce_scatter", "all_reduce"] = "reduce_scatter"
+    grad_collective: Literal["reduce_scatter", "all_reduce", "all_to_all"] = "reduce_scatter"
     """How a bucket's gradients are averaged into this rank's shard (see :meth:`reduce_grads_async`)."""
 
     @classmethod
     def resolve(
-        cls, group: Optional[dist.ProcessGroup], grad_collective: Literal["auto", "reduce_scatter", "all_reduce"] = "auto"
+        cls,
+        group: Optional[dist.ProcessGroup],
+        grad_collective: Literal["auto", "reduce_scatter", "all_reduce", "all_to_all"] = "auto",
     ) -> "DataParallelGroup":
         """``group=None`` means the default (world) group, or world size 1 when
-        ``torch.distributed`` is not initialized. ``"auto"`` picks ``"all_reduce"`` on gloo,
-        whose CPU reduce-scatter is an all-reduce plus a copy (~35% slower, measured),
-        and ``"reduce_scatter"`` everywhere else."""
+        ``torch.distributed`` is not initialized. ``"auto"`` picks ``"all_to_all"`` on
+        gloo and ``"reduce_scatter"`` everywhere else. Measured on gloo/CPU, one 1.05M-element
+        fp32 bucket: reduce-scatter 6.8-7.3 ms (it sets up a halving-doubling algorithm
+        per call), all-reduce 4.6-5.9 ms, all-to-all plus the local sum 2.3-3.3 ms at 2
+        ranks; 9.1-9.7 ms all-reduce vs 5.6-5.9 ms all-to-all at 4."""
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 1, 0)
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -58,22 +62,39 @@ class DataParallelGroup:
         if rank < 0:
             raise ValueError("process_group does not contain this process (rank -1)")
         if grad_collective == "auto":
-            grad_collective = "all_reduce" if dist.get_backend(group) == "gloo" else "reduce_scatter"
+            grad_collective = "all_to_all" if dist.get_backend(group) == "gloo" else "reduce_scatter"
         return cls(group, size, rank, grad_collective)
 
     @property
     def post_scale(self) -> float:
-        """Factor this rank's shard still needs after :meth:`reduce_grads_async` (1/dp
-        after an all-reduce SUM; 1 after a reduce-scatter AVG)."""
-        return 1.0 / self.size if self.grad_collective == "all_reduce" else 1.0
+        """Factor this rank's shard still needs after its reduction (1/dp after an
+        all-reduce SUM or the sum of an all-to-all's chunks; 1 after a reduce-scatter AVG)."""
+        return 1.0 if self.grad_collective == "reduce_scatter" else 1.0 / self.size
 
-    def reduce_grads_async(self, shard: torch.Tensor, bucket: torch.Tensor) -> Optional[dist.Work]:
-        """Reduce ``bucket`` over ranks so that ``shard`` (this rank's view of it) holds the
-        result: a reduce-scatter averaging into the shard view, or, where that is slower,
-        an in-place all-reduce SUM of the whole bucket (then scaled by :attr:`post_scale`)."""
+    def reduce_grads_async(
+        self, shard: torch.Tensor, bucket: torch.Tensor, received: Optional[torch.Tensor] = None
+    ) -> Optional[dist.Work]:
+        """Start reducing ``bucket`` over ranks into ``shard`` (this rank's view of it):
+        a reduce-scatter averaging into the shard view; or, where that is slower, an
+        in-place all-reduce SUM of the whole bucket, or an all-to-all that sends rank r
+        its shard of ``bucket`` and receives every rank's copy of ``shard`` into the
+        rows of ``received`` (the caller sums them with :meth:`sum_received`). The last
+        two leave the shard to be scaled by :attr:`post_scale`."""
         if self.grad_collective == "all_reduce":
             return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        if self.grad_collective == "all_to_all":
+            if received is None:
+                raise ValueError("reduce_grads_async: grad_collective 'all_to_all' needs a `received` buffer")
+            return dist.all_to_all_single(received, bucket, group=self.group, async_op=True)
         return dist.reduce_scatter_single(shard, bucket, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
+
+    @staticmethod
+    def sum_received(shard: torch.Tensor, rows: Sequence[torch.Tensor]) -> None:
+        """After an all-to-all: ``shard`` = the sum of the received ``rows``, in rank order
+        (every run sums the same way), without allocating. The loop is over ranks."""
+        torch.add(rows[0], rows[1], out=shard)
+        for row in rows[2:]:
+            shard.add_(row)
 
     def all_gather_async(self, output: torch.Tensor, input: torch.Tensor) -> Optional[dist.Work]:
         """Gather every rank's ``input`` shard into ``output`` (in place when ``input`` is a view of it)."""

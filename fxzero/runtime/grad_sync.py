@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from .buffers import Bucket
+from .buffers import Bucket, ReceiveRing
 from .comm import DataParallelGroup
 
 __all__ = ["GradSync"]
@@ -72,6 +72,8 @@ class GradSync:
         """``presence[slot]`` is 1 once param ``slot`` got any gradient since the last step."""
         self.presence_tensor = torch.frombuffer(self.presence, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
         self._own_shards = [b.grad_shards[dp.rank] for b in self.buckets]
+        self.ring = ReceiveRing(self.buckets, dp.size) if dp.grad_collective == "all_to_all" and dp.size > 1 else None
+        """Receive buffers of the all-to-all reduction (gloo's fastest); ``None`` otherwise."""
         # a preallocated 0-dim factor: a Python float would be wrapped into a tensor every step
         device = self.buckets[0].grad_data.device if self.buckets else None
         self._post_scale = torch.tensor(dp.post_scale, device=device) if dp.post_scale != 1.0 else None
@@ -196,8 +198,12 @@ class GradSync:
         self._launched[index] = True
         self._next = index + 1
         if self.dp.size > 1:
-            bucket = self.buckets[index]
-            self._works[index] = self.dp.reduce_grads_async(bucket.grad_shards[self.dp.rank], bucket.grad_data)
+            bucket, received = self.buckets[index], None
+            if self.ring is not None:
+                received = self.ring.views[index]
+                if index >= self.ring.slots:  # the bucket that used this receive buffer before
+                    self._complete(index - self.ring.slots)
+            self._works[index] = self.dp.reduce_grads_async(bucket.grad_shards[self.dp.rank], bucket.grad_data, received)
         log.debug("launched reduce-scatter of bucket %d", index)
 
     # ---- step boundary ----------------------------------------------------------
@@ -211,10 +217,19 @@ class GradSync:
 
     def finish_launched(self) -> None:
         """Wait for the reduce-scatters already launched; launch nothing."""
-        for index, work in enumerate(self._works):
-            if work is not None:
-                self.dp.wait(work, "gradient reduction", index, self.buckets[index].params)
-                self._works[index] = None
+        for index in range(len(self._works)):
+            self._complete(index)
+
+    def _complete(self, index: int) -> None:
+        """Wait for bucket ``index``'s reduction if it is in flight (after an all-to-all,
+        sum what arrived into the shard)."""
+        work = self._works[index]
+        if work is None:
+            return
+        self.dp.wait(work, "gradient reduction", index, self.buckets[index].params)
+        self._works[index] = None
+        if self.ring is not None:
+            self.dp.sum_received(self._own_shards[index], self.ring.rows[index])
 
     def reset(self) -> None:
         """Start a new step: nothing ready, nothing launched, no gradient seen."""

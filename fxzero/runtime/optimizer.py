@@ -315,9 +315,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def runtime_bytes(self) -> int:
-        """Bytes of the runtime's own buffers on this rank: flat param and grad buffers
-        plus the MXFP8 gather's (zero rows when they reuse the grad buffer)."""
-        return sum(b.nbytes for b in self.buffers) + self.gather.nbytes
+        """Bytes of the runtime's own buffers on this rank: flat param and grad buffers,
+        the all-to-all reduction's receive buffers (gloo) and the MXFP8 gather's (zero
+        rows when they reuse the grad buffer)."""
+        ring = self.grad_sync.ring.nbytes if self.grad_sync.ring is not None else 0
+        return sum(b.nbytes for b in self.buffers) + ring + self.gather.nbytes
 
     @property
     def state_bytes(self) -> int:
