@@ -225,6 +225,14 @@ def _span(names: list[str]) -> str:
 
 
 
+def _check_compiled(runners: dict) -> None:
+    for config, (_, opt, _) in runners.items():
+        if config == "fxzero" or config.startswith("fxzero "):
+            compiled, n = sum(opt.grad_sync._compiled), len(opt.params)
+            if compiled != n:
+                raise RuntimeError(f"{config}: only {compiled} of {n} params are in its compiled graphs when stepping in turn")
+
+
 def train_paired(configs: list[str], steps: int, warmup: int, bucket_size: int) -> dict:
     """Every config in this one process, stepping in turn: step ``k`` runs one training
     step of each config, in an order rotated by one every step, each timed after a
@@ -236,6 +244,11 @@ def train_paired(configs: list[str], steps: int, warmup: int, bucket_size: int) 
     rank, world = dist.get_rank(), dist.get_world_size()
     data = torch.frombuffer(bytearray(load_bytes(None)), dtype=torch.uint8).long()
     batch = types.SimpleNamespace(seq=128, global_batch=PER_RANK * world)
+    # Up to 8 models' graphs per code object here: at dynamo's default limit of 8 the
+    # last configs' frames would silently run eagerly (seen: the block forward, whose
+    # guards differ per model's hooks), timing something else than the alone runs.
+    torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.accumulated_recompile_limit = 4096
     runners = {}
     for config in configs:
         torch.manual_seed(0)
@@ -244,10 +257,17 @@ def train_paired(configs: list[str], steps: int, warmup: int, bucket_size: int) 
         runners[config] = (model, opt, finish)
     times: dict[str, list[float]] = {config: [] for config in configs}
     losses = torch.zeros(len(configs), warmup + steps + 1)
+    # Dynamo's decisions to skip a frame are global to its code object: compiled first, an
+    # FSDP2 model's graph breaks made fxzero's top-level forward run eagerly (seen: 4 of
+    # 36 params through its eager hooks). So warm-up compiles in a fixed order, FSDP2
+    # last, and fxzero's graphs are checked to hold all its params before timing.
+    first = sorted(configs, key=lambda c: c.startswith("FSDP2"))
     for step in range(1, warmup + steps + 2):  # as many steps as train_alone, so losses compare
         x, y = get_batch(data, step, batch, rank, world, torch.device("cpu"))
         shift = step % len(configs)
-        for config in configs[shift:] + configs[:shift]:
+        if step == warmup + 1:
+            _check_compiled(runners)
+        for config in (first if step <= warmup else configs[shift:] + configs[:shift]):
             model, opt, finish = runners[config]
             dist.barrier()
             start = time.perf_counter()
