@@ -40,7 +40,10 @@ _STEP = re.compile(r"^step\s+(\d+) \| loss ([\d.]+)", re.M)
 
 def start_job(ckpt_dir: Path, args: argparse.Namespace, kill_at: int | None) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    cmd += ["--max-restarts", "1"] if kill_at else []
+    # torchrun checks its workers every 0.1 s and then SIGTERMs the survivors: under load that
+    # can beat the survivor's own CollectiveError (~0.1 s after the kill), which this drill
+    # checks for, so the killed job's agent looks every 3 s instead.
+    cmd += ["--max-restarts", "1", "--monitor-interval", "3"] if kill_at else []
     cmd += [str(REPO / "examples" / "train_gpt.py"), "--steps", str(args.steps), "--log-every", "1", *MODEL]
     cmd += ["--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(args.ckpt_every)]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -92,6 +95,8 @@ def main() -> int:
     print(f"| restarted     | {t_b:6.1f} | {b[args.steps]:>{len(header)}} |")
     print(f"rank 1 SIGKILLed at step {args.kill_at}; survivor raised CollectiveError: {died}; "
           f"resumed from step {resumed.group(2) if resumed else None}")
+    if not died:  # say what the survivor raised instead
+        print("survivor's errors:", *sorted({line.strip() for line in out_b.splitlines() if "Error" in line})[:8], sep="\n  ")
     print(f"losses of steps 1..{args.steps} equal as printed: {a == b}; max |difference| over the {len(want)} final checkpoint tensors: {diff:.3g}")
     ok = bool(resumed) and died and a == b and diff <= 1e-6
     print("PASS" if ok else "FAIL")
