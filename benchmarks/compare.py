@@ -45,14 +45,13 @@ import argparse
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E402
+from train_gpt import ModelArgs, Transformer, get_batch  # noqa: E402
 
 import peers  # noqa: E402  (benchmarks/peers.py: what runs on every rank)
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
@@ -68,8 +67,7 @@ amplifies them after its step-3 spike); the parity tests bound step 10 at 1e-5."
 # ---- in the parent ----------------------------------------------------------------------
 def _reference_losses(steps: int, world: int) -> list[float]:
     """Single-process eager AdamW on the same global batches (the parity column)."""
-    data = torch.frombuffer(bytearray(load_bytes(None)), dtype=torch.uint8).long()
-    batch = types.SimpleNamespace(seq=128, global_batch=PER_RANK * world)
+    data, batch = peers.data_and_batch(world)
     torch.manual_seed(0)
     model = Transformer(ModelArgs())
     opt = torch.optim.AdamW(peers.param_groups(model), lr=LR, betas=BETAS)
@@ -84,9 +82,13 @@ def _reference_losses(steps: int, world: int) -> list[float]:
     return losses
 
 
-def _steps_ms(res: list[dict]) -> list[float]:
+def _steps_ms(times_per_rank: list[list[float]]) -> list[float]:
     """Per step, the slower rank's time (a step ends when its last rank does), in ms."""
-    return [1e3 * max(values) for values in zip(*(r["times"] for r in res))]
+    return [1e3 * max(values) for values in zip(*times_per_rank)]
+
+
+def _alone_median(res: list[dict]) -> float:
+    return statistics.median(_steps_ms([r["times"] for r in res]))
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -121,7 +123,7 @@ def _run_paired(args: argparse.Namespace, configs: list[str]) -> dict:
     finally:
         close_pools()
     print(f"  paired: {len(configs)} configs took {time.perf_counter() - start:.0f} s", flush=True)
-    return {c: {"ms": _steps_ms([{"times": r["times"][c]} for r in res]), "losses": res[0]["losses"][c]} for c in configs}
+    return {c: {"ms": _steps_ms([r["times"][c] for r in res]), "losses": res[0]["losses"][c]} for c in configs}
 
 
 def _failure(exc: Exception) -> str:
@@ -137,7 +139,7 @@ def _rows(results: dict, paired: dict, reference: list[float]) -> tuple[list[lis
         if isinstance(res, str):
             rows.append([config, f"FAILED: {res}"] + [""] * 11)
             continue
-        ms, alone = paired.get(config, {}).get("ms"), _steps_ms(res)
+        ms, alone = paired.get(config, {}).get("ms"), _alone_median(res)
         timing = [f"{medians[config]:.1f}", f"{_quantile(ms, 0.1):.1f}-{_quantile(ms, 0.9):.1f}"] if ms else ["n/a", ""]
         counts = res[0]["collectives"]
         coll = f"{sum(counts.values())} (" + " + ".join(f"{n} {op}" for op, n in sorted(counts.items())) + ")" if counts else "0"
@@ -145,9 +147,9 @@ def _rows(results: dict, paired: dict, reference: list[float]) -> tuple[list[lis
         rows.append([
             config, *timing,
             f"{medians[config] / base:.3f}" if ms and base else "n/a", f"{medians[config] / floor:.3f}" if ms and floor else "n/a",
-            f"{statistics.median(alone):.1f}",
+            f"{alone:.1f}",
             f"{max(r['state_bytes'] for r in res) / 2**20:.2f}", f"{max(r['rss_mib'] for r in res):.0f}", coll,
-            f"{res[0]['bytes'] / 2**20:.2f}", f"{max(r['first'] for r in res) - statistics.median(alone) / 1e3:.1f}",
+            f"{res[0]['bytes'] / 2**20:.2f}", f"{max(r['first'] for r in res) - alone / 1e3:.1f}",
             "n/a (no optimizer)" if config == "limit" else f"{loss:.5f} ({loss - reference[PARITY_STEP - 1]:+.1e})",
         ])
     return rows, medians
@@ -172,11 +174,11 @@ def _targets(results: dict, paired: dict, medians: dict, world: int) -> None:
             print(f"fxzero vs {other}: no paired step times")
             continue
         ratio = medians["fxzero"] / medians[other]
-        alone = statistics.median(_steps_ms(results["fxzero"])) / statistics.median(_steps_ms(results[other]))
+        alone = _alone_median(results["fxzero"]) / _alone_median(results[other])
         blocks = _blocks(paired["fxzero"]["ms"], paired[other]["ms"])
         print(f"fxzero step time = {ratio:.3f}x {other} (target <= {limit}x): {verdict(ratio <= limit)}  "
               f"[paired, by quarter: {blocks}; alone runs: {alone:.3f}]")
-    if not isinstance(results.get(BASELINE), (str, type(None))):
+    if isinstance(results.get(BASELINE), list):
         plain = max(r["state_bytes"] for r in results[BASELINE])
         ratio = max(r["state_bytes"] for r in results["fxzero"]) / (plain / world)
         print(f"fxzero optimizer state = {ratio:.6f} x (plain AdamW / {world}) (target <= 1.01): {verdict(ratio <= 1.01)}")

@@ -172,8 +172,7 @@ def train_alone(config: str, steps: int, warmup: int, bucket_size: int) -> dict:
     from torch._inductor.utils import fresh_cache
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = torch.frombuffer(bytearray(load_bytes(None)), dtype=torch.uint8).long()
-    batch = types.SimpleNamespace(seq=128, global_batch=PER_RANK * world)
+    data, batch = data_and_batch(world)
     torch.manual_seed(0)
     model = Transformer(ModelArgs())
     out = {"times": [], "losses": [], "collectives": collections.Counter(), "bytes": 0, "compile": {}, "rooms": []}
@@ -225,9 +224,15 @@ def _span(names: list[str]) -> str:
 
 
 
+def data_and_batch(world: int) -> tuple[torch.Tensor, types.SimpleNamespace]:
+    """The stdlib-bytes corpus and the batch shape every config (and the eager reference) uses."""
+    data = torch.frombuffer(bytearray(load_bytes(None)), dtype=torch.uint8).long()
+    return data, types.SimpleNamespace(seq=128, global_batch=PER_RANK * world)
+
+
 def _check_compiled(runners: dict) -> None:
     for config, (_, opt, _) in runners.items():
-        if config == "fxzero" or config.startswith("fxzero "):
+        if config.startswith("fxzero"):
             compiled, n = sum(opt.grad_sync._compiled), len(opt.params)
             if compiled != n:
                 raise RuntimeError(f"{config}: only {compiled} of {n} params are in its compiled graphs when stepping in turn")
@@ -242,8 +247,7 @@ def train_paired(configs: list[str], steps: int, warmup: int, bucket_size: int) 
     all-gathers (``finish_param_sync``): its prefetch overlap is given up, which can
     only make fxzero slower. Returns each config's step times (s) and losses (mean over ranks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    data = torch.frombuffer(bytearray(load_bytes(None)), dtype=torch.uint8).long()
-    batch = types.SimpleNamespace(seq=128, global_batch=PER_RANK * world)
+    data, batch = data_and_batch(world)
     # Up to 8 models' graphs per code object here: at dynamo's default limit of 8 the
     # last configs' frames would silently run eagerly (seen: the block forward, whose
     # guards differ per model's hooks), timing something else than the alone runs.
