@@ -14,9 +14,12 @@ plain ``torch.compile`` would.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import logging
 import os
 import warnings
+from pathlib import Path
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
@@ -25,11 +28,12 @@ from functorch.compile import default_partition, make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from .passes import run_backward_passes, run_forward_passes
+from ._torch_compat import inductor_post_grad_pass
+from .passes import param_gather_wait, run_backward_passes, run_forward_passes
 from .passes.bucket_reduce_scatter import BucketLaunch, ManagedParam
 from .runtime.dump import GraphDumper, input_names
 from .runtime.grad_sync import GradSync
-from .passes.param_gather_wait import GatherWait
+from .passes.param_gather_wait import GatherWait, hoist_waits_above_readers
 from .runtime.ops import GraphBucket, GraphGather, register_graph_bucket
 
 __all__ = ["BackendOptions", "fxzero_backend"]
@@ -70,7 +74,18 @@ def _inner_compile(options: BackendOptions, gm: fx.GraphModule, example_inputs: 
         return make_boxed_func(gm.forward)
     from torch._inductor.compile_fx import compile_fx_inner
 
-    return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+    if is_backward:
+        return compile_fx_inner(gm, example_inputs, is_backward=True)
+    # Inductor's own FX rewrites run after fxzero's passes: the last of them puts any
+    # param read they moved above its bucket's wait back below it.
+    with inductor_post_grad_pass(hoist_waits_above_readers, _pass_uuid()):
+        return compile_fx_inner(gm, example_inputs, is_backward=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _pass_uuid() -> bytes:
+    """Keys Inductor's FX graph cache to the post-grad pass's source."""
+    return hashlib.sha256(Path(param_gather_wait.__file__).read_bytes()).digest()
 
 
 def _owner(param: Any) -> Any:

@@ -54,16 +54,16 @@ fxzero buckets (dp=1): 2 buckets, 51 param elements in 256 buffer elements (80.1
 # primals_3 = 0.bias (bucket 1)
 # primals_4 = 2.weight (bucket 0)
 # primals_5 = 2.bias (bucket 0)
--- graph 0 forward, after fxzero's passes (18 nodes; frees omitted) --
+-- graph 0 forward, after fxzero's passes (14 nodes; frees omitted) --
 def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias):
-    ag_wait_bucket1 = torch.ops.fxzero.wait_params.default(<bucket 1>)  # <- fxzero: wait for bucket 1's all-gather (and launch the next)
-    t = torch.ops.higher_order.control_deps((ag_wait_bucket1,), subgraph_t, 0.weight)
-    addmm = torch.ops.higher_order.control_deps((ag_wait_bucket1,), subgraph_addmm, 0.bias, primals_1, t)
+    ag_wait_bucket1 = torch.ops.fxzero.wait_params.default([0.weight, 0.bias], <bucket 1>)  # <- fxzero: wait for bucket 1's all-gather (and launch the next)
+    t = torch.ops.aten.t.default(0.weight)
+    addmm = torch.ops.aten.addmm.default(0.bias, primals_1, t)
     relu = torch.ops.aten.relu.default(addmm)
     detach = torch.ops.aten.detach.default(relu)
-    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default(<bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
-    t_1 = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_t_1, 2.weight)
-    addmm_1 = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_addmm_1, 2.bias, relu, t_1)
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([2.weight, 2.bias], <bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    t_1 = torch.ops.aten.t.default(2.weight)
+    addmm_1 = torch.ops.aten.addmm.default(2.bias, relu, t_1)
     return (addmm_1, primals_1, relu, detach, t_1)
 -- graph 0 backward, after fxzero's passes (24 nodes; frees omitted) --
 def forward(self, primals_1, relu, detach, t_1, tangents_1):
@@ -88,8 +88,8 @@ def forward(self, primals_1, relu, detach, t_1, tangents_1):
     return (None, None, None, None, None)
 
 schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)
-bucket 0: reduce-scatter launches in graph 0 backward at node 13/24 (54%); all-gather waited in graph 0 forward at node 12/18 (67%)
-bucket 1: reduce-scatter launches in graph 0 backward at node 22/24 (92%); all-gather waited in graph 0 forward at node 5/18 (28%)
+bucket 0: reduce-scatter launches in graph 0 backward at node 13/24 (54%); all-gather waited in graph 0 forward at node 10/14 (71%)
+bucket 1: reduce-scatter launches in graph 0 backward at node 22/24 (92%); all-gather waited in graph 0 forward at node 5/14 (36%)
 buckets spanning several graphs: none
 """)
         _assert_untouched(model, opt, before)
@@ -109,11 +109,11 @@ fxzero buckets (dp=1): 1 bucket, 51 param elements in 256 buffer elements (80.1%
 == graph 0: 2 params of buckets 0 ==
 # primals_2 = fc1.weight (bucket 0)
 # primals_3 = fc1.bias (bucket 0)
--- graph 0 forward, after fxzero's passes (11 nodes; frees omitted) --
+-- graph 0 forward, after fxzero's passes (9 nodes; frees omitted) --
 def forward(self, primals_1, fc1.weight, fc1.bias):
-    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default(<bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
-    t = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_t, fc1.weight)
-    addmm = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_addmm, fc1.bias, primals_1, t)
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([fc1.weight, fc1.bias], <bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    t = torch.ops.aten.t.default(fc1.weight)
+    addmm = torch.ops.aten.addmm.default(fc1.bias, primals_1, t)
     relu = torch.ops.aten.relu.default(addmm)
     detach = torch.ops.aten.detach.default(relu)
     return (relu, primals_1, detach)
@@ -133,11 +133,11 @@ def forward(self, primals_1, detach, tangents_1):
 == graph 1: 2 params of buckets 0 ==
 # primals_2 = fc2.weight (bucket 0)
 # primals_3 = fc2.bias (bucket 0)
--- graph 1 forward, after fxzero's passes (9 nodes; frees omitted) --
+-- graph 1 forward, after fxzero's passes (7 nodes; frees omitted) --
 def forward(self, primals_1, fc2.weight, fc2.bias):
-    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default(<bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
-    t = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_t, fc2.weight)
-    addmm = torch.ops.higher_order.control_deps((ag_wait_bucket0,), subgraph_addmm, fc2.bias, primals_1, t)
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([fc2.weight, fc2.bias], <bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    t = torch.ops.aten.t.default(fc2.weight)
+    addmm = torch.ops.aten.addmm.default(fc2.bias, primals_1, t)
     return (addmm, primals_1, t)
 -- graph 1 backward, after fxzero's passes (13 nodes; frees omitted) --
 def forward(self, primals_1, t, tangents_1):
@@ -153,7 +153,7 @@ def forward(self, primals_1, t, tangents_1):
     return (mm, None, None)
 
 schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)
-bucket 0: reduce-scatter launches in graph 0 backward at node 11/13 (85%), graph 1 backward at node 11/13 (85%) (at the last of these to run); all-gather waited in graph 0 forward at node 3/11 (27%), graph 1 forward at node 3/9 (33%) (by the first to run)
+bucket 0: reduce-scatter launches in graph 0 backward at node 11/13 (85%), graph 1 backward at node 11/13 (85%) (at the last of these to run); all-gather waited in graph 0 forward at node 3/9 (33%), graph 1 forward at node 3/7 (43%) (by the first to run)
 buckets spanning several graphs: 0 (graphs 0, 1)
 """)
         _assert_untouched(model, opt, before)

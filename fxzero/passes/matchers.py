@@ -2,7 +2,8 @@
 
 ::
 
-    placeholder ... -> grad producer -> fxzero::grads_ready([grads], handle) -> ... -> output
+    backward: placeholder ... -> grad producer -> fxzero::grads_ready([grads], handle) -> ... -> output
+    forward:  placeholder(param) -> fxzero::wait_params([params], handle) -> first reader -> ...
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["copy_node_provenance", "graph_output", "is_grads_ready"]
+__all__ = ["copy_node_provenance", "graph_output", "is_grads_ready", "is_wait_params"]
 
 _PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "fwd_nn_module_stack")
 
@@ -18,6 +19,11 @@ _PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr
 def is_grads_ready(node: fx.Node) -> bool:
     """A bucket launch inserted by the backward pass."""
     return node.op == "call_function" and node.target is torch.ops.fxzero.grads_ready.default
+
+
+def is_wait_params(node: fx.Node) -> bool:
+    """A param-gather wait inserted by the forward pass."""
+    return node.op == "call_function" and node.target is torch.ops.fxzero.wait_params.default
 
 
 def graph_output(graph: fx.Graph) -> fx.Node:

@@ -5,17 +5,25 @@ a compiled forward graph this pass
 
 1. plans, per bucket, the first node (graph order) that reads any of its params, as
    plain data (:func:`plan_waits`);
-2. inserts ``token = fxzero::wait_params(handle)`` right before it; the op waits for
-   the bucket's gather and launches the next bucket's (the prefetch chain);
-3. makes **every** reader of the bucket's params depend on ``token`` through
-   Inductor's ``control_deps`` higher-order op, so no compiled kernel can be scheduled
-   before the wait: the order is a graph edge, not a lucky schedule.
+2. inserts ``fxzero::wait_params(params, handle)`` right before it, ``params`` being
+   this graph's inputs of that bucket; the op waits for the bucket's gather (lands it)
+   and launches the next bucket's (the prefetch chain).
+
+The order is a data dependency, not a lucky schedule: the op's schema declares that it
+**writes** ``params`` (``Tensor(a!)[]``), so a compiler must keep every read of them that
+follows the wait after it. Inductor's scheduler does so through its mutation tracking:
+a kernel that reads a param after the wait depends on the wait, whatever it is fused
+into. (An ordering-only edge is not enough: Inductor's ``control_deps`` only orders the
+kernels materialized while lowering the wrapped node, and a pointwise read such as an
+RMSNorm weight multiply is inlined into a later fused kernel that carries no edge.)
+Inductor rewrites the FX graph after fxzero's passes; :func:`hoist_waits_above_readers`
+runs as its last post-grad pass and moves a wait back above any read placed before it.
 
 ::
 
-    wait_params_default = fxzero.wait_params(H)              # <- inserted
-    t = control_deps((wait_params_default,), subgraph_t, primals_1)
-    addmm = aten.addmm(primals_2, primals_3, t)              # reads the gathered weight
+    wait_params_default = fxzero.wait_params([primals_1, primals_2], H)   # <- inserted
+    t = aten.t(primals_1)
+    addmm = aten.addmm(primals_2, primals_3, t)   # reads the gathered weight and bias
 
 A param only saved for backward (no reader in the forward) still gets its wait, just
 before the output, so the backward never reads stale values.
@@ -23,20 +31,19 @@ before the output, so the backward never reads stale values.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import logging
 from typing import Callable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
-from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
-from torch.utils._ordered_set import OrderedSet
 
 from .bucket_reduce_scatter import ManagedParam
-from .matchers import copy_node_provenance, graph_output
+from .matchers import copy_node_provenance, graph_output, is_wait_params
 
-__all__ = ["GatherWait", "WaitPlan", "param_gather_wait_pass", "plan_waits"]
+__all__ = ["GatherWait", "WaitPlan", "hoist_waits_above_readers", "param_gather_wait_pass", "plan_waits"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,22 +88,47 @@ def param_readers(gm: fx.GraphModule) -> tuple[dict[int, list[int]], int]:
 
 
 def insert_waits(gm: fx.GraphModule, plan: WaitPlan, handles: Sequence[int]) -> fx.GraphModule:
+    """Insert ``fxzero::wait_params(params, handle)`` before each bucket's first reader.
+
+    The op's schema declares ``params`` mutated: for every compiler that is a write to
+    those inputs, so every read of them that follows in the graph is ordered after it
+    (Inductor's scheduler renames a mutated buffer and makes each later reader depend on
+    the mutation, whatever kernel the read is fused into)."""
     graph = gm.graph
     nodes = list(graph.nodes)
-    fake_mode = detect_fake_mode([n.meta.get("val") for n in nodes if n.op == "placeholder"])
-    deps: dict[fx.Node, OrderedSet[fx.Node]] = {}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
     for wait, handle in zip(plan.waits, handles):
+        params = [placeholders[p] for p in wait.positions]
         with graph.inserting_before(nodes[wait.before]):
-            token = graph.call_function(torch.ops.fxzero.wait_params.default, (handle,))
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            token.meta["val"] = torch.empty(0)
-        copy_node_provenance([nodes[wait.before]], token)
-        for reader in wait.readers:
-            deps.setdefault(nodes[reader], OrderedSet()).add(token)
-    preserve_node_ordering(graph, deps)
+            call = graph.call_function(torch.ops.fxzero.wait_params.default, (params, handle))
+        call.meta["val"] = None
+        copy_node_provenance([nodes[wait.before]], call)
     graph.lint()
     gm.recompile()
     return gm
+
+
+def early_readers(wait: fx.Node, index: Mapping[fx.Node, int]) -> list[fx.Node]:
+    """Nodes that read one of ``wait``'s params but come before it in ``graph``."""
+    params = wait.args[0]
+    return [u for p in params for u in p.users if u is not wait and index[u] < index[wait]]
+
+
+def hoist_waits_above_readers(graph: fx.Graph) -> int:
+    """Move each wait right above the first node that reads its params, if another pass
+    (Inductor's pattern rewrites run after fxzero's) put a reader above it; returns how
+    many waits moved. A wait's inputs are placeholders, so it can move up freely."""
+    moved = 0
+    for wait in [n for n in graph.nodes if is_wait_params(n)]:
+        index = {node: i for i, node in enumerate(graph.nodes)}
+        readers = early_readers(wait, index)
+        if readers:
+            min(readers, key=index.__getitem__).prepend(wait)
+            moved += 1
+    if moved:
+        log.info("moved %d param-gather wait(s) above reads that a later pass put before them", moved)
+        graph.lint()
+    return moved
 
 
 def param_gather_wait_pass(

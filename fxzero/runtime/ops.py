@@ -80,17 +80,27 @@ def _grads_ready_fake(grads: list[torch.Tensor], handle: int) -> None:
 has_side_effect(torch.ops.fxzero.grads_ready.default)
 
 
-@torch.library.custom_op("fxzero::wait_params", mutates_args=())
-def wait_params(handle: int) -> torch.Tensor:
-    """Wait for one bucket's param all-gather; the empty result orders its readers."""
+# ``wait_params`` is defined with a raw schema rather than ``torch.library.custom_op``:
+# its params argument is declared mutated (``Tensor(a!)[]``), which is what orders every
+# later read of those params after it in Inductor's scheduler, but ``custom_op`` would
+# also bump the params' autograd version counters on every call, and a param saved for
+# backward by an earlier graph (a tied weight read by two graphs) would then fail its
+# version check. The wait never changes a value anyone has read: a bucket is only
+# written before its first read of the step.
+_lib = torch.library.Library("fxzero", "FRAGMENT")
+_lib.define("wait_params(Tensor(a!)[] params, int handle) -> ()")
+
+
+def wait_params(params: list[torch.Tensor], handle: int) -> None:
+    """Wait for one bucket's param all-gather (and land it): ``params`` (this graph's
+    params of the bucket) hold the gathered values afterwards."""
     entry = _graph_buckets[handle]
     entry.sync.wait(entry.bucket)
-    return torch.empty(0)
 
 
-@wait_params.register_fake
-def _wait_params_fake(handle: int) -> torch.Tensor:
-    return torch.empty(0)
+def _wait_params_fake(params: list[torch.Tensor], handle: int) -> None:
+    return None
 
 
-has_side_effect(torch.ops.fxzero.wait_params.default)
+_lib.impl("wait_params", wait_params, "CompositeExplicitAutograd")
+torch.library.register_fake("fxzero::wait_params", _wait_params_fake, lib=_lib)
