@@ -132,6 +132,92 @@ class FrozenMLP(MLP):
         self.fc1.requires_grad_(False)
 
 
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+class NormNet(nn.Module):
+    """``embedding -> norm -> linear -> linear -> head``, the norm registered last so its
+    weight shares the head's bucket: Inductor fuses the norm's weight multiply into the
+    kernel that normalises, which ran before that bucket's wait (issue 13)."""
+
+    def __init__(self, norm: str = "rms", vocab: int = 64, dim: int = 32) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.fc1, self.fc2 = nn.Linear(dim, 2 * dim), nn.Linear(2 * dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.norm = RMSNorm(dim) if norm == "rms" else nn.LayerNorm(dim)
+        with torch.no_grad():  # norm weights away from 1, so reading stale ones shows
+            self.norm.weight.add_(0.1 * torch.randn(dim))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.fc2(F.relu(self.fc1(self.norm(self.emb(idx))))))
+
+
+def _rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding over the last dim of ``[b, heads, t, head_dim]``."""
+    t, half = x.shape[-2], x.shape[-1] // 2
+    freqs = base ** (-torch.arange(half, dtype=torch.float32) / half)
+    angles = torch.arange(t, dtype=torch.float32)[:, None] * freqs
+    cos, sin = angles.cos(), angles.sin()
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+
+class LlamaBlock(nn.Module):
+    """RMSNorm, RoPE, grouped-query attention (4 query heads, 2 KV heads), SwiGLU."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2, hidden: int = 64) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.attn_norm, self.mlp_norm = RMSNorm(dim), RMSNorm(dim)
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.w_gate, self.w_up = nn.Linear(dim, hidden, bias=False), nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.attn_norm(x)
+        q = self.wq(h).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k, v = self.wkv(h).view(b, t, 2 * self.kv_heads, self.head_dim).transpose(1, 2).chunk(2, dim=1)
+        q, k = _rope(q), _rope(k)
+        repeat = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        x = x + self.wo(y)
+        h = self.mlp_norm(x)
+        return x + self.w_down(F.silu(self.w_gate(h)) * self.w_up(h))
+
+
+class Llama(nn.Module):
+    """A tiny Llama: token embedding, blocks, final RMSNorm, untied head."""
+
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(LlamaBlock(dim) for _ in range(layers))
+        self.norm = RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.add_(0.1 * torch.randn_like(p))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
 MODELS = {
     "mlp": MLP,
     "gpt": GPT,
@@ -140,6 +226,9 @@ MODELS = {
     "gpt_loop_break": lambda: GPT(GPTArgs(loop_break=True)),
     "mlp_branch": BranchMLP,
     "mlp_frozen": FrozenMLP,
+    "rmsnet": NormNet,
+    "lnnet": lambda: NormNet("layer"),
+    "llama": Llama,
 }
 
 
@@ -150,7 +239,8 @@ def build(name: str, seed: int = 0) -> nn.Module:
 
 def kind(name: str) -> str:
     """Which data and loss a model takes."""
-    return "gpt" if name.startswith("gpt") else "conv" if name == "conv" else "mlp"
+    tokens = name.startswith("gpt") or name in ("rmsnet", "lnnet", "llama")
+    return "gpt" if tokens else "conv" if name == "conv" else "mlp"
 
 
 def forward_kwargs(name: str, step: int) -> dict:

@@ -22,25 +22,10 @@ import fxzero.backend
 from fxzero.runtime.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
+from doubles import DeferredGather, deferred_all_gather
 from models import batch, build, forward_kwargs, loss_fn, param_groups
 
 LR, STEPS, GLOBAL = 1e-2, 10, 8  # a stale read is off by ~LR per element: far above atol
-
-
-class _DeferredGather:
-    """An all-gather that happens only when waited for (stale data until then)."""
-
-    def __init__(self, dp: DataParallelGroup, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.dp, self.output, self.input = dp, output, input
-
-    def wait(self) -> bool:
-        dist.all_gather_single(self.output, self.input, group=self.dp.group)
-        return True
-
-
-def _deferred(dp: DataParallelGroup, output: torch.Tensor, input: torch.Tensor) -> _DeferredGather:
-    _deferred.launches += 1  # type: ignore[attr-defined]
-    return _DeferredGather(dp, output, input)
 
 
 def _train(name: str, inner: str | None, overlap: bool, deferred: bool, eval_every: int = 0) -> dict:
@@ -49,9 +34,9 @@ def _train(name: str, inner: str | None, overlap: bool, deferred: bool, eval_eve
     config = fxzero.Config(bucket_size=2000, overlap_param_gather=overlap)
     opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
     run = torch.compile(model, backend="fxzero", options={"inner_compiler": inner}) if inner else model
-    patch = mock.patch.object(DataParallelGroup, "all_gather_async", _deferred) if deferred else contextlib.nullcontext()
+    patch = mock.patch.object(DataParallelGroup, "all_gather_async", deferred_all_gather) if deferred else contextlib.nullcontext()
     losses, evals = [], []
-    _deferred.launches = 0  # type: ignore[attr-defined]
+    DeferredGather.launches = 0
     with patch:
         for step in range(STEPS):
             x, y = batch(name, step, GLOBAL)
@@ -129,14 +114,14 @@ def _accumulate_launches() -> tuple[list[int], int]:
     )
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     launches = []
-    with mock.patch.object(DataParallelGroup, "all_gather_async", _deferred):
-        _deferred.launches = 0  # type: ignore[attr-defined]
+    with mock.patch.object(DataParallelGroup, "all_gather_async", deferred_all_gather):
+        DeferredGather.launches = 0
         for step in range(2):
             x, y = batch("gpt", step, 8)
             for micro in range(4):
                 with opt.no_sync() if micro < 3 else contextlib.nullcontext():
                     loss_fn("gpt", cmodel(x[2 * micro : 2 * micro + 2]), y[2 * micro : 2 * micro + 2]).backward()
-                launches.append(_deferred.launches)  # type: ignore[attr-defined]
+                launches.append(DeferredGather.launches)
             opt.step()
             opt.zero_grad()
     return launches, len(opt.buckets)

@@ -1,0 +1,153 @@
+"""Under Inductor, no kernel reads a param before its bucket's all-gather wait.
+
+``fxzero::wait_params(params, handle)`` declares that it writes the params it makes
+current, so Inductor orders every later read after it, whatever it fuses. The tests:
+
+* bitwise: overlap on (with gathers that move no data until waited for, so a read
+  before the wait *must* see last step's values) vs overlap off, world 2, Inductor,
+  fp32 and MXFP8 gathers, on models whose norm weights Inductor fuses into the
+  normalising kernel (the case that read stale weights before), with a no-grad eval
+  (an inference graph) every other step;
+* structural, on the code those runs executed: in Inductor's generated forward and
+  inference code, every line that touches a managed param comes after the wait that
+  covers it;
+* the post-grad pass that hoists a wait above a read another pass moved before it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch._inductor.utils import run_and_get_code
+
+import fxzero
+from fxzero.passes.param_gather_wait import hoist_waits_above_readers
+from fxzero.runtime.comm import DataParallelGroup
+from fxzero.testing import run_ranks
+
+from doubles import deferred_all_gather
+from models import batch, build, loss_fn, param_groups
+
+LR, STEPS, GLOBAL = 1e-2, 6, 8
+
+
+def _train(name: str, *, mxfp8: bool, overlap: bool, deferred: bool) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(name)
+    config = fxzero.Config(bucket_size=2000, overlap_param_gather=overlap, mxfp8_param_gather=mxfp8)
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
+    cmodel = torch.compile(model, backend="fxzero")  # Inductor
+    gather = deferred_all_gather if deferred else DataParallelGroup.all_gather_async
+    losses, codes, local = [], [], GLOBAL // world
+    with mock.patch.object(DataParallelGroup, "all_gather_async", gather):
+        for step in range(STEPS):
+            x, y = batch(name, step, GLOBAL)
+            if step % 2:  # the first forward after step() is an inference graph
+                with torch.no_grad():
+                    losses.append(_run(lambda: loss_fn(name, cmodel(x), y).item(), codes, step == 1))
+            xs, ys = x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]
+            loss = _run(lambda: _backward(loss_fn(name, cmodel(xs), ys)), codes, step == 0)
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss)
+        params = {n: v.clone() for n, v in model.state_dict().items()}
+    return {"losses": losses, "params": params, "buckets": len(opt.buckets), "codes": codes, "distinct_params": len(list(model.parameters()))}
+
+
+def _backward(loss: torch.Tensor) -> float:
+    loss.backward()
+    return loss.item()
+
+
+def _run(fn: Callable[[], float], codes: list[str], capture: bool) -> float:
+    """``fn()``; with ``capture``, also keep Inductor's generated code of the graphs it compiles."""
+    if not capture:
+        return fn()
+    value, generated = run_and_get_code(fn)
+    codes.extend(generated)
+    return value
+
+
+_CASES = [(name, mxfp8) for name in ("rmsnet", "lnnet", "llama", "gpt") for mxfp8 in (False, True)]
+_CASES.append(("gpt_break", False))  # two compiled graphs and an eager head reading the tied embedding
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("name", "mxfp8"), _CASES, ids=[f"{n}-{'mxfp8' if m else 'fp32'}-gather" for n, m in _CASES])
+def test_overlap_on_and_off_are_bitwise_identical_under_inductor(name: str, mxfp8: bool) -> None:
+    on = run_ranks(2, _train, name, mxfp8=mxfp8, overlap=True, deferred=True, timeout=300)
+    off = run_ranks(2, _train, name, mxfp8=mxfp8, overlap=False, deferred=False, timeout=300)
+    assert on[0]["buckets"] >= 3
+    for a, b in zip(on, off):
+        assert a["losses"] == b["losses"]
+        for key, value in b["params"].items():
+            assert torch.equal(a["params"][key], value), key
+    # the code that ran: per Dynamo graph a training forward and backward, then inference graphs
+    codes = [code for code in on[0]["codes"] if "wait_params" in code]
+    assert len(codes) == (2 if name != "gpt_break" else 4)
+    for code in codes:
+        waited, early = _reads_before_wait(code)
+        assert early == [], "\n".join(early)
+        assert not [line for line in _call_body(code) if "copy" in line and waited & set(re.findall(r"\w+", line))]
+    if name != "gpt_break":  # one graph: every param is its input, covered by a wait
+        assert all(len(_reads_before_wait(code)[0]) == on[0]["distinct_params"] for code in codes)
+
+
+# ---- the generated code ----------------------------------------------------------------
+_WAIT = re.compile(r"torch\.ops\.fxzero\.wait_params\.default\(\[([^\]]*)\], \d+\)")
+_NOT_A_READ = ("assert_size_stride(", "del ", "return ")
+
+
+def _call_body(code: str) -> list[str]:
+    """The lines of the generated ``call`` function, up to its return."""
+    lines = code[code.index("def call(") :].splitlines()[1:]
+    end = next(i for i, line in enumerate(lines) if line.strip().startswith("return "))
+    return [line.strip() for line in lines[: end + 1]]
+
+
+def _reads_before_wait(code: str) -> tuple[set[str], list[str]]:
+    """Params covered by a wait, and every line that uses one of them before its wait."""
+    lines = _call_body(code)
+    waited_at: dict[str, int] = {}
+    for i, line in enumerate(lines):
+        match = _WAIT.search(line)
+        for name in match.group(1).split(", ") if match else ():
+            waited_at.setdefault(name, i)
+    early = []
+    for i, line in enumerate(lines):
+        if line.startswith(_NOT_A_READ) or " = args" in line or _WAIT.search(line):
+            continue
+        early += [f"{name}: {line}" for name, at in waited_at.items() if i < at and re.search(rf"\b{name}\b", line)]
+    return set(waited_at), early
+
+
+def test_structural_check_sees_a_read_before_its_wait() -> None:
+    code = "def call(self, args):\n    primals_1, primals_2 = args\n    kernel(primals_2)\n"
+    code += "    torch.ops.fxzero.wait_params.default([primals_2], 0)\n    return (primals_1,)\n"
+    assert _reads_before_wait(code) == ({"primals_2"}, ["primals_2: kernel(primals_2)"])
+
+
+# ---- the post-grad repair --------------------------------------------------------------
+def _graph_with_read_above_wait() -> fx.Graph:
+    graph = fx.Graph()
+    x, w = graph.placeholder("x"), graph.placeholder("w")
+    early = graph.call_function(torch.ops.aten.mul.Tensor, (x, w))
+    wait = graph.call_function(torch.ops.fxzero.wait_params.default, ([w], 0))
+    late = graph.call_function(torch.ops.aten.add.Tensor, (early, w))
+    graph.output((late,))
+    assert wait.prev is early
+    return graph
+
+
+def test_hoist_moves_a_wait_above_a_read_placed_before_it() -> None:
+    graph = _graph_with_read_above_wait()
+    assert hoist_waits_above_readers(graph) == 1
+    ops = [str(n.target) for n in graph.nodes if n.op == "call_function"]
+    assert ops == ["fxzero.wait_params.default", "aten.mul.Tensor", "aten.add.Tensor"]
+    assert hoist_waits_above_readers(graph) == 0  # already in order: nothing moves
