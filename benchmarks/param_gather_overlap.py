@@ -48,7 +48,7 @@ from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E40
 
 import fxzero  # noqa: E402
 import fxzero.backend  # noqa: E402, F401  (registers the "fxzero" backend)
-from fxzero.runtime.param_sync import ParamSync  # noqa: E402
+from fxzero.optim.param_sync import ParamSync  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 
 WORLD, BUCKET, TARGET = 2, 1_000_000, 0.05

@@ -24,7 +24,7 @@ from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E40
 
 import fxzero  # noqa: E402
 import fxzero.backend  # noqa: E402
-from fxzero.runtime.grad_sync import GradSync  # noqa: E402
+from fxzero.optim.grad_sync import GradSync  # noqa: E402
 
 LR, BETAS, PER_RANK = 2e-3, (0.9, 0.95), 8
 CONFIGS = ("fxzero", "fxzero eager-inner", "DDP eager", "DDP + compile", "DDP + ZeRO", "FSDP2", "FSDP2 + compile", "limit")

@@ -4,26 +4,23 @@ as a torch.compile backend.
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
 """
 
-from . import mxfp8
+from . import mxfp8, ops  # ops: defines the fxzero:: custom ops that compiled graphs call
+from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, default_bucket_size
-from .runtime import (
+from .debug.explain import explain
+from .optim import (
     Bucket,
     BucketPlan,
     BufferPlan,
-    CheckpointError,
     CollectiveError,
     DistributedOptimizer,
     Fragment,
     ParamAndGradBuffer,
     StepResult,
-    latest_checkpoint,
-    load_checkpoint,
     plan_buckets,
-    save_checkpoint,
     shard_buffer,
     shard_fragments,
 )
-from .runtime.inspect import explain
 
 
 def _register_torch_logs() -> None:

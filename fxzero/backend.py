@@ -31,10 +31,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from ._torch_compat import inductor_post_grad_pass
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes
 from .passes.bucket_reduce_scatter import BucketLaunch, ManagedParam
-from .runtime.dump import GraphDumper, input_names
-from .runtime.grad_sync import GradSync
+from .debug.dump import GraphDumper, input_names
+from .optim.grad_sync import GradSync
 from .passes.param_gather_wait import GatherWait, hoist_waits_above_readers
-from .runtime.ops import GraphBucket, GraphGather, register_graph_bucket
+from .ops import GraphBucket, GraphGather, register_graph_bucket
 
 __all__ = ["BackendOptions", "fxzero_backend"]
 
@@ -50,7 +50,7 @@ class BackendOptions:
     FX code (fast to compile, for debugging and most tests)."""
     dump_dir: Union[str, "os.PathLike[str]", None] = None
     """Write every graph before and after each of fxzero's passes here as readable
-    ``.py`` files, with diffs and a JSON summary (:mod:`fxzero.runtime.dump`). Unset:
+    ``.py`` files, with diffs and a JSON summary (:mod:`fxzero.debug.dump`). Unset:
     ``$FXZERO_DUMP_DIR``, if set."""
 
     def __post_init__(self) -> None:

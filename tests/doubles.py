@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from fxzero.runtime.comm import DataParallelGroup
+from fxzero.optim.comm import DataParallelGroup
 
 
 class DeferredGather:

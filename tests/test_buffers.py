@@ -81,7 +81,7 @@ def test_optimizer_groups_params_by_dtype_into_buffers() -> None:
 
 
 def test_receive_ring_takes_turns_in_two_buffers_sized_for_the_largest_bucket() -> None:
-    from fxzero.runtime.buffers import ReceiveRing
+    from fxzero.optim.buffers import ReceiveRing
 
     params = make_params((200,), (64,), (300,), (8,), (200,))
     plan = plan_buckets(params, dp_size=4, bucket_size=150)
@@ -101,7 +101,7 @@ def test_receive_ring_takes_turns_in_two_buffers_sized_for_the_largest_bucket() 
 
 
 def test_sum_received_adds_rows_in_rank_order_into_the_shard() -> None:
-    from fxzero.runtime.comm import DataParallelGroup
+    from fxzero.optim.comm import DataParallelGroup
 
     rows = torch.arange(12.0).view(3, 4).unbind(0)
     shard = torch.full((4,), 99.0)

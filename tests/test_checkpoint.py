@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero.runtime.checkpoint_state import owned_fragments, slot_names
+from fxzero.checkpoint.state import owned_fragments, slot_names
 from fxzero.testing import RankError, RankPool, run_ranks
 
 from models import MLP, batch, build, loss_fn, param_groups
@@ -226,7 +226,7 @@ def test_json_manifest_records_what_was_saved(tmp_path: Path) -> None:
 _KILLED_SAVE = """
 import os, signal, sys, torch, fxzero
 import torch.distributed.checkpoint as dcp
-import fxzero.runtime.checkpoint as ckpt
+import fxzero.checkpoint.io as ckpt
 ckpt_dir, where = sys.argv[1], sys.argv[2]
 os.makedirs(ckpt_dir)
 torch.manual_seed(0)
@@ -362,7 +362,7 @@ def test_a_dead_or_silent_peer_makes_the_others_fail_naming_the_bucket(how: str)
     raised_after = float(re.search(r"\[raised after ([\d.]+) s\]", message).group(1))
     print(f"{how}: rank 0 raised after {raised_after:.2f} s; the pool reported after {elapsed:.1f} s")
     assert raised_after < PG_TIMEOUT + 2, raised_after
-    assert "fxzero.runtime.comm.CollectiveError: fxzero: rank 0 of 2 failed waiting for the" in message, message
+    assert "fxzero.optim.comm.CollectiveError: fxzero: rank 0 of 2 failed waiting for the" in message, message
     assert "gradient reduction of bucket 0 (params: out.bias, out.weight, fc2.bias" in message, message
     assert elapsed < PG_TIMEOUT + 8, elapsed
 

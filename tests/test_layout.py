@@ -51,7 +51,7 @@ def test_high_busbw_padding_takes_the_lcm_not_the_product() -> None:
     # seed 001's "Example 2": 40M elements at dp 64. lcm(64, 128, 2**16) = 65536, so the
     # bucket pads to 611 * 65536, not to a multiple of 64 * 128 * 65536.
     plan = plan_buckets(meta(40_000_000), dp_size=64, bucket_size=None, pad_for_high_busbw=True)
-    assert fxzero.runtime.bucket_divisor(64, True) == 65536
+    assert fxzero.optim.bucket_divisor(64, True) == 65536
     assert plan.numel == 40_042_496 == math.ceil(40_000_000 / 65536) * 65536
     basic = plan_buckets(meta(40_000_000), dp_size=64, bucket_size=None)
     assert basic.numel == 40_000_000  # already a multiple of lcm(64, 128) = 128
@@ -97,7 +97,7 @@ def test_175b_layout_plans_in_milliseconds(dp: int, busbw: bool) -> None:
     elapsed = time.perf_counter() - start
     assert 174e9 < total < 176e9
     assert elapsed < 0.5, f"planning took {elapsed:.3f}s"
-    divisor = fxzero.runtime.bucket_divisor(dp, busbw)
+    divisor = fxzero.optim.bucket_divisor(dp, busbw)
     for bucket in plan.buckets:
         assert bucket.numel % divisor == 0
         if busbw:  # the rule is lcm(dp, 128, 2**16): the bucket, not the shard, is a 2^16 multiple
@@ -132,7 +132,7 @@ def layouts(draw: st.DrawFn) -> tuple[list[torch.Tensor], int, object, bool]:
 def test_layout_invariants(case: tuple[list[torch.Tensor], int, object, bool]) -> None:
     params, dp, bucket_size, busbw = case
     plan = plan_buckets(params, dp_size=dp, bucket_size=bucket_size, pad_for_high_busbw=busbw)  # type: ignore[arg-type]
-    divisor = fxzero.runtime.bucket_divisor(dp, busbw)
+    divisor = fxzero.optim.bucket_divisor(dp, busbw)
     assert plan.numel % dp == 0 and plan.numel_unpadded <= plan.numel
     previous_end = 0
     for b, bucket in enumerate(plan.buckets):

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import fxzero
 from fxzero import mxfp8
-from fxzero.runtime import plan_buckets
+from fxzero.optim import plan_buckets
 from fxzero.testing import run_ranks
 
 from models import batch, build, loss_fn, param_groups

@@ -19,7 +19,7 @@ from expecttest import TestCase
 
 import fxzero
 import fxzero.backend
-from fxzero.runtime.comm import DataParallelGroup
+from fxzero.optim.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from doubles import DeferredGather, deferred_all_gather

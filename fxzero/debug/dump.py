@@ -44,7 +44,7 @@ import torch.fx as fx
 from torch._logging import trace_structured
 from torch._logging._internal import trace_log
 
-from . import ops as _ops
+from .. import ops as _ops
 
 __all__ = [
     "DUMP_DIR_ENV",

@@ -4,7 +4,7 @@
     info = fxzero.load_checkpoint(fxzero.latest_checkpoint("ckpt"), model, opt)   # any world size
 
 Each rank writes only the state it owns, through ``torch.distributed.checkpoint`` (DCP),
-in a world-size-independent format (:mod:`fxzero.runtime.checkpoint_state`); loading on
+in a world-size-independent format (:mod:`fxzero.checkpoint.state`); loading on
 another number of ranks, or with another bucket size, reads each rank's new fragments out
 of whatever pieces were saved.
 
@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .checkpoint_state import (
+from .state import (
     MANIFEST,
     CheckpointError,
     ChunkLoadPlanner,
@@ -52,8 +52,8 @@ from .checkpoint_state import (
     save_state,
     slot_names,
 )
-from .comm import DataParallelGroup
-from .optimizer import DistributedOptimizer
+from ..optim.comm import DataParallelGroup
+from ..optim.optimizer import DistributedOptimizer
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 

@@ -20,7 +20,7 @@ prefetch). The sequence of collectives is therefore the same on every rank whate
 order the model happens to read buckets in.
 
 **What a gather moves** is up to a gather object: :class:`PlainGather` gathers the param
-shards themselves in place; :class:`~fxzero.runtime.mxfp8_gather.Mxfp8Gather` gathers
+shards themselves in place; :class:`~fxzero.mxfp8.gather.Mxfp8Gather` gathers
 MXFP8 codes and *lands* each bucket (dequantizes it into the params) after its wait.
 ParamSync only orders launches, waits and landings.
 """

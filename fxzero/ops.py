@@ -6,7 +6,7 @@ pass makes every reader of those params depend on (:mod:`fxzero.passes.param_gat
 
 ``fxzero::grads_ready(grads, handle)`` adds one bucket's gradients from one backward
 graph into their ``main_grad`` views and reports them to the bucket's
-:class:`~fxzero.runtime.grad_sync.GradSync`, which may launch the bucket's
+:class:`~fxzero.optim.grad_sync.GradSync`, which may launch the bucket's
 reduce-scatter. A custom op cannot take Python objects, so the backward pass registers
 a :class:`GraphBucket` (the runtime objects one op call needs) and bakes its integer
 handle into the graph. The op returns nothing, so it is marked side-effecting to
@@ -21,8 +21,8 @@ import threading
 import torch
 from torch.fx.node import has_side_effect
 
-from .grad_sync import GradSync
-from .param_sync import ParamSync
+from .optim.grad_sync import GradSync
+from .optim.param_sync import ParamSync
 
 __all__ = ["GraphBucket", "GraphGather", "register_graph_bucket"]
 

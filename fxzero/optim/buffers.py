@@ -1,7 +1,7 @@
 """Flat param/grad buffers and their buckets, with every shard view made once.
 
 A :class:`ParamAndGradBuffer` owns two flat tensors laid out by a
-:class:`~fxzero.runtime.layout.BufferPlan`: ``param_data`` (each managed param becomes
+:class:`~fxzero.optim.layout.BufferPlan`: ``param_data`` (each managed param becomes
 a view of it) and ``grad_data`` (each param's ``main_grad`` is a view of it). A
 :class:`Bucket` holds views of one bucket's region and of every rank's shard of it.
 All views are created at construction, because slicing a view costs about 1 µs of

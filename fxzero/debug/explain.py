@@ -8,10 +8,10 @@ padding wastes bandwidth, or checking that a reduce-scatter launches early in ba
 
 :func:`explain` compiles the model, runs one forward+backward under
 :meth:`~fxzero.DistributedOptimizer.no_sync` (no collective is launched), records every
-graph *after* fxzero's passes through :func:`fxzero.runtime.dump.observing`, then zeroes
+graph *after* fxzero's passes through :func:`fxzero.debug.dump.observing`, then zeroes
 the grads so training state is unchanged. It returns a bucket table, every graph's code
 with fxzero's inserted nodes marked and named by bucket and params named by module
-path, and a per-bucket schedule (:mod:`fxzero.runtime.inspect_format` renders them).
+path, and a per-bucket schedule (:mod:`fxzero.debug.explain_format` renders them).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Iterator, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from . import inspect_format as _format
+from . import explain_format as _format
 from .dump import GraphDumper, InsertedNode, inserted_nodes, observing
 
 __all__ = ["explain"]

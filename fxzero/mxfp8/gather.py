@@ -17,7 +17,7 @@ with it, the rows are the first ``33/32 * numel`` bytes of the bucket's own
 that bucket's grad region afterwards, so no gradient is ever added onto gather bytes.
 Gradients and gathered params are not live at once: a bucket is landed before its
 first read in the forward, and the runtime lands any bucket still pending before a
-gradient is written to it or it is reduced (see :class:`~fxzero.runtime.grad_sync.GradSync`).
+gradient is written to it or it is reduced (see :class:`~fxzero.optim.grad_sync.GradSync`).
 Without reuse the rows live in one separate byte buffer.
 
 Only :meth:`publish` allocates (the quantizer's float32 temporary of one shard); the
@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from . import mxfp8
-from .buffers import Bucket
-from .comm import DataParallelGroup
+from . import cast as mxfp8
+
+if TYPE_CHECKING:  # the optimizer builds this gather: no import back into fxzero.optim at run time
+    from ..optim.buffers import Bucket
+    from ..optim.comm import DataParallelGroup
 
 __all__ = ["Mxfp8Gather", "payload_bytes"]
 

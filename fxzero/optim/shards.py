@@ -9,7 +9,7 @@ For each bucket, a rank owns one contiguous shard. :class:`BucketShard` holds:
 * ``main_grad`` - fp32 gradients of the shard. For an fp32 grad buffer it *is* the grad
   buffer's shard view, the reduce-scatter's output; otherwise an fp32 copy.
 
-The wrapped ``torch.optim`` optimizer gets one tensor per :class:`~fxzero.runtime.layout.Fragment`
+The wrapped ``torch.optim`` optimizer gets one tensor per :class:`~fxzero.optim.layout.Fragment`
 (a view of ``main``) whose ``.grad`` is the matching view of ``main_grad``: its state
 (moments, step counts) exists only for this rank's 1/dp of every param.
 """

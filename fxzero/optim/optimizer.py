@@ -2,7 +2,7 @@
 
 A step has three communication phases, all on buffers laid out once at construction:
 
-1. **reduce-scatter** (started during backward by :class:`~fxzero.runtime.grad_sync.GradSync`,
+1. **reduce-scatter** (started during backward by :class:`~fxzero.optim.grad_sync.GradSync`,
    finished at the top of :meth:`DistributedOptimizer.step`): each bucket's ``grad_data``
    is averaged over ranks into this rank's pre-made shard view of it;
 2. **shard update**: one small all-reduce carries the squared grad norm of this rank's
@@ -15,7 +15,7 @@ A step has three communication phases, all on buffers laid out once at construct
    ``Config.mxfp8_param_gather`` the shard is quantized to MXFP8 first and the gather
    moves codes and scales (optionally landing in the bucket's own grad memory,
    ``reuse_grad_buf_for_mxfp8_param_ag``), then each bucket is dequantized into the
-   params right before its first read (:mod:`fxzero.runtime.mxfp8_gather`).
+   params right before its first read (:mod:`fxzero.mxfp8.gather`).
 
 Padding exists so every bucket splits into dp equal, aligned shards; it is zero in both
 buffers, is never handed to the wrapped optimizer, and is excluded from the norm.
@@ -37,7 +37,7 @@ from ..config import Config
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
 from .grad_sync import GradSync
-from .mxfp8_gather import Mxfp8Gather
+from ..mxfp8.gather import Mxfp8Gather
 from .param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .layout import plan_buckets
 from .shards import build_shards

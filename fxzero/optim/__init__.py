@@ -1,7 +1,7 @@
-"""fxzero's runtime: layout plans, flat buffers, gradient sync and the sharded optimizer."""
+"""The sharded optimizer and what it runs on: layout plans, flat buffers, shards, the process
+group, gradient reduce-scatters and param all-gathers."""
 
 from .buffers import Bucket, ParamAndGradBuffer, shard_buffer
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .comm import CollectiveError, DataParallelGroup
 from .grad_sync import GradSync
 from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, plan_buckets, shard_fragments
@@ -11,7 +11,6 @@ __all__ = [
     "Bucket",
     "BucketPlan",
     "BufferPlan",
-    "CheckpointError",
     "CollectiveError",
     "DataParallelGroup",
     "DistributedOptimizer",
@@ -20,10 +19,7 @@ __all__ = [
     "ParamAndGradBuffer",
     "StepResult",
     "bucket_divisor",
-    "latest_checkpoint",
-    "load_checkpoint",
     "plan_buckets",
-    "save_checkpoint",
     "shard_buffer",
     "shard_fragments",
 ]

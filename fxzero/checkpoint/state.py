@@ -15,7 +15,7 @@ The format does not depend on the world size or the bucket layout it was saved w
 
 Params are named by their module path (the first name of a tied weight). Hyperparameters,
 the optimizer class and the layout of the state go to the manifest (JSON), see
-:mod:`fxzero.runtime.checkpoint`.
+:mod:`fxzero.checkpoint.io`.
 """
 
 from __future__ import annotations
@@ -42,11 +42,11 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
-from .layout import Fragment, shard_fragments
-from .shards import FragmentTensor
+from ..optim.layout import Fragment, shard_fragments
+from ..optim.shards import FragmentTensor
 
 if TYPE_CHECKING:
-    from .optimizer import DistributedOptimizer
+    from ..optim.optimizer import DistributedOptimizer
 
 __all__ = [
     "CheckpointError",

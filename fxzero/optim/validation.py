@@ -1,4 +1,4 @@
-"""Checks on what users hand to :class:`~fxzero.runtime.optimizer.DistributedOptimizer`.
+"""Checks on what users hand to :class:`~fxzero.optim.optimizer.DistributedOptimizer`.
 
 All of them run before any param is touched, and each error names the param, group
 or keyword at fault, so a bad call leaves the model exactly as it was.

@@ -6,7 +6,7 @@ the current step are in ``main_grad``. Two producers report to it:
 * **eager** regions, through post-accumulate-grad hooks installed here: autograd has
   summed all of a param's eager contributions when the hook fires, so it counts once;
 * **compiled** graphs, through the ``fxzero::grads_ready`` op that the backward pass
-  inserts after a bucket's last gradient in that graph (:mod:`fxzero.runtime.ops`).
+  inserts after a bucket's last gradient in that graph (:mod:`fxzero.ops`).
   Autograd never sees those gradients (the graph returns ``None`` for them), so the
   count is kept here: each run of a compiled forward adds the number of gradients its
   backward will deliver per bucket (:meth:`forward_ran`), and each op subtracts them.
@@ -25,7 +25,7 @@ is expected from then on. The first step after any new graph is compiled is a
 come after their bucket was launched.
 
 The per-step path does no slicing and no allocation: shard views come from the
-:class:`~fxzero.runtime.buffers.Bucket` objects, counters are preallocated.
+:class:`~fxzero.optim.buffers.Bucket` objects, counters are preallocated.
 """
 
 from __future__ import annotations

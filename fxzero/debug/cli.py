@@ -1,0 +1,208 @@
+"""``python -m fxzero explain TARGET``: :func:`fxzero.explain` from the command line.
+
+Why: the first question about a distributed backend ("how many buckets, how much
+padding, where does each reduce-scatter fire, which graph touched which bucket") should
+take one command, not a script. TARGET names a function that builds what to explain::
+
+    python -m fxzero explain examples/explain_mlp.py                 # its fxzero_explain()
+    python -m fxzero explain examples/explain_mlp.py:build --world-size 8
+    python -m fxzero explain mypkg.models:explain_target --inner-compiler inductor
+
+``path/to/file.py[:function]`` or ``package.module[:function]``; the function (default
+``fxzero_explain``) takes no arguments and returns ``(model, example_inputs)`` or
+``(model, example_inputs, optimizer)``. ``example_inputs`` is a tuple of positional
+arguments (a lone tensor is one argument). Without an optimizer the command makes a
+``DistributedOptimizer`` (SGD; the wrapped optimizer does not change the layout) with
+``--bucket-size`` / ``--pad-for-high-busbw``.
+
+It runs in one process, without a process group (world size 1). ``--world-size N``
+lays buckets out as N ranks would, on torch's ``"fake"`` process group (no
+communication, nothing runs on other ranks), so padding and shard sizes are N-rank
+ones. Nothing trains: grads are zeroed and params untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import torch
+
+from ..config import Config
+
+__all__ = ["main"]
+
+_DEFAULT_FUNCTION = "fxzero_explain"
+
+
+class TargetError(ValueError):
+    """TARGET cannot be loaded or returned something explain cannot use."""
+
+
+def _import_file(path: Path) -> Any:
+    if not path.is_file():
+        raise TargetError(f"TARGET file {str(path)!r} does not exist")
+    sys.path.insert(0, str(path.resolve().parent))  # so the file's own imports resolve
+    name = f"_fxzero_explain_target_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise TargetError(f"TARGET file {str(path)!r} cannot be loaded as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses look their module up while it runs
+    spec.loader.exec_module(module)
+    return module
+
+
+def _import_module(name: str) -> Any:
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as error:
+        if error.name is not None and (name == error.name or name.startswith(error.name + ".")):
+            raise TargetError(f"TARGET module {name!r} not found (give a .py path or an importable module)") from error
+        raise
+
+
+def load_target(target: str) -> Callable[[], Any]:
+    """The factory function that ``target`` (``file.py[:fn]`` / ``module[:fn]``) names."""
+    location, _, function = target.partition(":")
+    function = function or _DEFAULT_FUNCTION
+    is_file = location.endswith(".py") or "/" in location or "\\" in location
+    module = _import_file(Path(location)) if is_file else _import_module(location)
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise TargetError(
+            f"TARGET {target!r}: {location} has no function {function!r}; "
+            f"define {function}() returning (model, example_inputs[, optimizer]) or name one as {location}:FUNCTION"
+        )
+    return factory
+
+
+def unpack(result: Any, name: str) -> tuple[torch.nn.Module, tuple[Any, ...], Optional[Any]]:
+    """Split a factory's return value, naming what is wrong with it."""
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+        raise TargetError(
+            f"{name}() must return (model, example_inputs) or (model, example_inputs, optimizer), got {type(result).__name__}"
+        )
+    model, inputs = result[0], result[1]
+    optimizer = result[2] if len(result) == 3 else None
+    if not isinstance(model, torch.nn.Module):
+        raise TargetError(f"{name}() returned a model of type {type(model).__name__}; expected a torch.nn.Module")
+    if isinstance(inputs, torch.Tensor):
+        inputs = (inputs,)
+    if not isinstance(inputs, (tuple, list)):
+        raise TargetError(
+            f"{name}() returned example_inputs of type {type(inputs).__name__}; expected a tuple of arguments or a tensor"
+        )
+    return model, tuple(inputs), optimizer
+
+
+def _bucket_size(text: str) -> Union[int, str]:
+    if text in ("auto", "none"):
+        return text
+    try:
+        value = int(text.replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--bucket-size takes a number of elements, 'auto' or 'none', got {text!r}"
+        ) from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"--bucket-size must be > 0 elements, got {value}")
+    return value
+
+
+def _world_size(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--world-size must be a whole number >= 1, got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m fxzero", description="fxzero command line")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    explain = commands.add_parser(
+        "explain",
+        help="compile a model without training; print buckets, rewritten graphs and schedule",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    explain.add_argument("target", metavar="TARGET", help="file.py[:function] or package.module[:function]")
+    explain.add_argument(
+        "--bucket-size",
+        type=_bucket_size,
+        default=None,
+        help="elements per bucket ('auto': Megatron's default; 'none': one bucket)",
+    )
+    explain.add_argument("--pad-for-high-busbw", action="store_true", help="pad shards to multiples of 2^16 elements")
+    explain.add_argument(
+        "--world-size", type=_world_size, default=None, help="lay buckets out for N ranks (fake process group)"
+    )
+    explain.add_argument(
+        "--inner-compiler",
+        choices=("eager", "inductor"),
+        default="eager",
+        help="how graphs are compiled (default eager)",
+    )
+    explain.add_argument(
+        "--dump-dir", default=None, help="also write every graph before/after each pass, diffs and summary.json here"
+    )
+    return parser
+
+
+def _optimizer(model: torch.nn.Module, args: argparse.Namespace) -> Any:
+    from ..optim import DistributedOptimizer
+
+    size = "auto" if args.bucket_size is None else None if args.bucket_size == "none" else args.bucket_size
+    config = Config(bucket_size=size, pad_for_high_busbw=args.pad_for_high_busbw)
+    return DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.0, config=config, module=model)
+
+
+@contextlib.contextmanager
+def _fake_group(world_size: Optional[int], parser: argparse.ArgumentParser) -> Iterator[None]:
+    """A communication-free process group of ``world_size`` ranks (this process is rank 0)."""
+    import torch.distributed as dist
+
+    if world_size is None or world_size == 1:
+        yield
+        return
+    if dist.is_initialized():
+        parser.error("--world-size: a process group is already initialized; run without --world-size")
+    dist.init_process_group("fake", rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    from .explain import explain
+
+    with _fake_group(args.world_size, parser):
+        factory = load_target(args.target)
+        model, inputs, optimizer = unpack(factory(), getattr(factory, "__name__", args.target))
+        if optimizer is None:
+            optimizer = _optimizer(model, args)
+        elif args.bucket_size is not None or args.pad_for_high_busbw:
+            parser.error(
+                "--bucket-size/--pad-for-high-busbw: TARGET returned its own optimizer, whose Config decides the layout"
+            )
+        return explain(model, *inputs, optimizer=optimizer, inner_compiler=args.inner_compiler, dump_dir=args.dump_dir)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        text = _explain(args, parser)
+    except TargetError as error:
+        parser.error(str(error))
+    sys.stdout.write(text)
+    if args.dump_dir is not None:
+        sys.stdout.write(f"\ngraphs before/after each fxzero pass, diffs and summary.json written to {args.dump_dir}\n")
+    return 0
+
