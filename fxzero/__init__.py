@@ -5,6 +5,7 @@ as a torch.compile backend.
 """
 
 from . import mxfp8, ops  # ops: defines the fxzero:: custom ops that compiled graphs call
+from ._torch_compat import register_torch_log
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, default_bucket_size
 from .debug.explain import explain
@@ -29,10 +30,7 @@ def _register_torch_logs() -> None:
     the name as a module path when it parses ``TORCH_LOGS``; registering it as well
     makes ``fxzero`` one of torch's registered logs, so ``torch._logging.set_logs()``
     and torch's later re-inits configure it like torch's own components."""
-    from torch._logging._internal import log_registry, register_log
-
-    if not log_registry.is_log("fxzero"):
-        register_log("fxzero", "fxzero")
+    register_torch_log("fxzero", "fxzero")
 
 
 _register_torch_logs()

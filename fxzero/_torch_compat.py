@@ -2,17 +2,81 @@
 
 Why: private APIs move between torch releases without notice. Keeping them here makes a
 torch upgrade one file to read: each entry says what fxzero needs it for and what would
-replace it if torch moved or removed it.
+replace it if torch moved or removed it. Checked against torch 2.13.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+import re
+from typing import Any, Callable, Iterator, Optional, Sequence
 
+import torch
 import torch.fx as fx
 
-__all__ = ["inductor_post_grad_pass"]
+__all__ = [
+    "aot_autograd",
+    "compile_id",
+    "dynamo_input_names",
+    "foreach_add_",
+    "foreach_mul_",
+    "foreach_norm",
+    "in_backward",
+    "inductor_compile",
+    "inductor_decompositions",
+    "inductor_partition",
+    "inductor_post_grad_pass",
+    "inductor_pre_grad_passes",
+    "profiler_enabled",
+    "queue_end_of_backward",
+    "register_ordered_effect",
+    "register_torch_log",
+    "trace_artifact",
+    "tracing",
+]
+
+
+# ---- AOTAutograd and Inductor: what the backend is built on --------------------------
+def aot_autograd(**kwargs: Any) -> Callable[..., Any]:
+    """A Dynamo backend running AOTAutograd with the given compilers and partitioner.
+    ``torch._dynamo.backends.common.aot_autograd`` (what torch's own ``aot_eager`` uses).
+    Replacement: ``functorch.compile.aot_module_simplified`` wrapped the same way."""
+    from torch._dynamo.backends.common import aot_autograd as make
+
+    return make(**kwargs)
+
+
+def inductor_pre_grad_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
+    """Inductor's pre-AOTAutograd passes, which ``torch.compile``'s Inductor backend runs
+    first. ``torch._inductor.compile_fx._recursive_pre_grad_passes``; if gone: skip them
+    (a speed difference, not a correctness one)."""
+    from torch._inductor.compile_fx import _recursive_pre_grad_passes
+
+    return _recursive_pre_grad_passes(gm, example_inputs)
+
+
+def inductor_decompositions() -> dict[Any, Callable[..., Any]]:
+    """The decompositions Inductor lowers with: AOTAutograd must apply them, or Inductor
+    refuses the graphs. ``torch._inductor.decomposition.select_decomp_table``."""
+    from torch._inductor.decomposition import select_decomp_table
+
+    return select_decomp_table()
+
+
+def inductor_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+    """Inductor's partitioner: its joint-graph passes, then min-cut rematerialization.
+    ``torch._inductor.compile_fx.partition_fn``; replacement:
+    ``functorch.compile.min_cut_rematerialization_partition``."""
+    from torch._inductor.compile_fx import partition_fn
+
+    return partition_fn(joint, joint_inputs, **kwargs)
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool) -> Callable[..., Any]:
+    """Compile one AOT graph to Inductor kernels. ``torch._inductor.compile_fx.compile_fx_inner``."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
 
 
 @contextlib.contextmanager
@@ -40,3 +104,102 @@ def inductor_post_grad_pass(fn: Callable[[fx.Graph], Any], uuid: bytes) -> Itera
     chained = (*get_custom_graph_passes(config.post_grad_custom_post_pass), _Pass())
     with config.patch(post_grad_custom_post_pass=chained):
         yield
+
+
+def register_ordered_effect(op: Any, lib: Any) -> None:
+    """Declare that ``op`` has effects beyond its outputs, ordered among effectful ops:
+    never dead-code eliminated, never reordered against other effects.
+
+    What for: ``fxzero::grads_ready`` writes ``main_grad`` and launches collectives, none
+    of them graph values. Uses ``torch.library._register_effectful_op`` with
+    ``torch._library.effects.EffectType.ORDERED`` (torch's effects system, which FX's and
+    Inductor's impurity checks read). If torch renames it: its public successor
+    (``torch.library.register_effectful_op``), else ``torch.fx.node.has_side_effect``.
+    """
+    from torch._library.effects import EffectType
+
+    torch.library._register_effectful_op(op, EffectType.ORDERED, lib=lib)
+
+
+_SOURCE_PART = re.compile(r"\._(?:modules|parameters|buffers)\['([^']*)'\]")
+
+
+def dynamo_input_names(gm: fx.GraphModule) -> list[str]:
+    """Each Dynamo graph input's module path (``blocks.0.fc.weight``) where its source is
+    a module attribute, else the placeholder's name, so dumps name params as users do.
+    Reads ``node.meta["grapharg"].source.name`` (Dynamo's ``L['self']._modules['fc']...``
+    spelling). If it changes: placeholder names (``l_self_modules_fc_parameters_weight_``)."""
+    names = []
+    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
+        grapharg = node.meta.get("grapharg")
+        source = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
+        parts = _SOURCE_PART.findall(source if isinstance(source, str) else "")
+        names.append(".".join(parts) if parts else node.name)
+    return names
+
+
+def compile_id() -> Optional[Any]:
+    """The Dynamo compile id of the compile in progress (``[0/0]``), for dump titles and
+    trace artifacts. ``torch._guards.CompileContext.current_compile_id()``; if gone: None."""
+    from torch._guards import CompileContext
+
+    return CompileContext.current_compile_id()
+
+
+# ---- logging and tracing ------------------------------------------------------------------
+def register_torch_log(name: str, module: str) -> None:
+    """Make ``TORCH_LOGS=name`` one of torch's registered logs (``set_logs`` and torch's
+    re-inits configure it like torch's own). ``torch._logging._internal``; if gone: torch
+    still resolves ``TORCH_LOGS`` entries that are module names."""
+    from torch._logging._internal import log_registry, register_log
+
+    if not log_registry.is_log(name):
+        register_log(name, module)
+
+
+def tracing() -> bool:
+    """Whether a ``TORCH_TRACE`` handler is installed (only then are artifacts rendered).
+    ``torch._logging._internal.trace_log``."""
+    from torch._logging._internal import trace_log
+
+    return bool(trace_log.handlers)
+
+
+def trace_artifact(name: str, encoding: str, payload: Any, compile_id: Optional[Any]) -> None:
+    """Write a structured-trace artifact (tlparse shows it next to Dynamo's and Inductor's
+    graphs of the same compile). ``torch._logging.trace_structured``."""
+    from torch._logging import trace_structured
+
+    trace_structured(
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=lambda: payload,
+        compile_id=compile_id,
+    )
+
+
+# ---- autograd engine and profiler ---------------------------------------------------------
+def in_backward() -> bool:
+    """Whether the autograd engine is running a backward on this thread.
+    ``torch._C._current_graph_task_id() != -1``."""
+    return torch._C._current_graph_task_id() != -1
+
+
+def queue_end_of_backward(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward finishes (DDP launches its last
+    buckets this way). ``torch.autograd.Variable._execution_engine.queue_callback``."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def profiler_enabled() -> bool:
+    """Whether a ``torch.profiler`` is recording. ``torch._C._autograd._profiler_enabled``;
+    if gone: ``torch.autograd.profiler._is_profiler_enabled``."""
+    return torch._C._autograd._profiler_enabled()
+
+
+# ---- multi-tensor kernels -----------------------------------------------------------------
+# torch.optim's own fast path: one kernel launch for a list of tensors instead of one each.
+# If they move: a Python loop over the tensors (same numbers, more launches).
+foreach_add_: Callable[..., Any] = torch._foreach_add_
+foreach_mul_: Callable[..., Any] = torch._foreach_mul_
+foreach_norm: Callable[..., Any] = torch._foreach_norm

@@ -3,12 +3,12 @@
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
 
 Graph inputs that are params managed by a :class:`fxzero.DistributedOptimizer` are found
-by identity. Their gradients leave the backward graph through ``fxzero::grads_ready``
-launches (:mod:`fxzero.passes.bucket_reduce_scatter`) instead of autograd. Each run of
-the compiled forward tells the runtime how many gradients its backward will deliver
-per bucket, so a bucket whose params span several graphs and eager regions launches
-once, when its last gradient arrives. Graphs with no managed params compile exactly as
-plain ``torch.compile`` would.
+by identity (``optimizer.bind(example_inputs)``). The passes insert ops that receive those
+params as graph values (:mod:`fxzero.ops`): the joint graph gets the bucket launches
+(:mod:`fxzero.passes.bucket_reduce_scatter`), the forward the all-gather waits
+(:mod:`fxzero.passes.param_gather_wait`). Nothing here holds an optimizer: at run time the
+ops find it through the params (:mod:`fxzero.optim.binding`). Graphs with no managed
+params compile exactly as plain ``torch.compile`` would.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import warnings
@@ -25,16 +26,14 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 from functorch.compile import default_partition, make_boxed_func
-from torch._dynamo.backends.common import aot_autograd
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ._torch_compat import inductor_post_grad_pass
-from .passes import param_gather_wait, run_backward_passes, run_forward_passes
-from .passes.bucket_reduce_scatter import BucketLaunch, ManagedParam
-from .debug.dump import GraphDumper, input_names
-from .optim.grad_sync import GradSync
-from .passes.param_gather_wait import GatherWait, hoist_waits_above_readers
-from .ops import GraphBucket, GraphGather, register_graph_bucket
+from . import _torch_compat as compat
+from .debug.dump import GraphDumper
+from .optim.binding import compiled_forward, owner_of
+from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
+from .passes.bucket_reduce_scatter import ManagedParam
+from .passes.matchers import is_grads_ready
+from .passes.param_gather_wait import hoist_waits_above_readers
 
 __all__ = ["BackendOptions", "fxzero_backend"]
 
@@ -69,168 +68,6 @@ class BackendOptions:
         return cls(**options)
 
 
-def _inner_compile(options: BackendOptions, gm: fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool) -> Callable:
-    if options.inner_compiler == "eager":
-        return make_boxed_func(gm.forward)
-    from torch._inductor.compile_fx import compile_fx_inner
-
-    if is_backward:
-        return compile_fx_inner(gm, example_inputs, is_backward=True)
-    # Inductor's own FX rewrites run after fxzero's passes: the last of them puts any
-    # param read they moved above its bucket's wait back below it.
-    with inductor_post_grad_pass(hoist_waits_above_readers, _pass_uuid()):
-        return compile_fx_inner(gm, example_inputs, is_backward=False)
-
-
-@functools.lru_cache(maxsize=None)
-def _pass_uuid() -> bytes:
-    """Keys Inductor's FX graph cache to the post-grad pass's source."""
-    return hashlib.sha256(Path(param_gather_wait.__file__).read_bytes()).digest()
-
-
-def _owner(param: Any) -> Any:
-    """The live DistributedOptimizer managing ``param``, or None."""
-    ref = getattr(param, "_fxzero_owner", None)
-    return ref() if ref is not None else None
-
-
-class _CompiledGraph:
-    """fxzero's state for one Dynamo graph: its managed inputs and its forward counts."""
-
-    def __init__(self, example_inputs: Sequence[Any], options: BackendOptions, names: Sequence[str]) -> None:
-        self.options = options
-        self.owners: list[Any] = []  # the DistributedOptimizers whose params this graph reads
-        self.managed: list[ManagedParam] = []
-        self.params: dict[int, torch.Tensor] = {}
-        for position, value in enumerate(example_inputs):
-            owner = _owner(value)
-            if owner is None:
-                continue
-            if owner not in self.owners:
-                self.owners.append(owner)
-            slot = owner.grad_sync.slot_of[id(value)]
-            bucket = owner.grad_sync.bucket_of_slot[slot]
-            self.managed.append(ManagedParam(position, self.owners.index(owner), bucket, slot))
-            self.params[position] = value
-        self.syncs: list[GradSync] = [owner.grad_sync for owner in self.owners]
-        self.forward_counts = self._counts((g.owner, g.bucket) for g in self.managed)
-        self.dumper = GraphDumper(options.dump_dir, self.owners, self.managed, names)
-
-    def _counts(self, keys: Any) -> list[tuple[GradSync, list[tuple[int, int]]]]:
-        per_owner: dict[int, dict[int, int]] = {}
-        for owner, bucket in keys:
-            buckets = per_owner.setdefault(owner, {})
-            buckets[bucket] = buckets.get(bucket, 0) + 1
-        return [(self.syncs[o], sorted(b.items())) for o, b in sorted(per_owner.items())]
-
-    def register_with_runtime(self) -> None:
-        for owner, sync in enumerate(self.syncs):
-            sync.register_compiled(g.slot for g in self.managed if g.owner == owner)
-
-    def compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        gm = self._forward_passes("forward", gm, example_inputs)
-        return self._counting(_inner_compile(self.options, gm, example_inputs, is_backward=False))
-
-    def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        gm = self._forward_passes("inference", gm, example_inputs)
-        return _inner_compile(self.options, gm, example_inputs, is_backward=False)
-
-    def _forward_passes(self, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:
-        def register_wait(wait: GatherWait) -> int:
-            return register_graph_bucket(GraphGather(self.owners[wait.owner].param_sync, wait.bucket))
-
-        return self.dumper.around(
-            kind,
-            gm,
-            lambda g, observe: run_forward_passes(
-                g, example_inputs, observe=observe, managed=self.managed, register_wait=register_wait
-            ),
-        )
-
-    def compile_backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        launches: list[BucketLaunch] = []
-
-        def register(launch: BucketLaunch) -> int:
-            launches.append(launch)
-            return register_graph_bucket(self._graph_bucket(launch))
-
-        gm = self.dumper.around(
-            "backward",
-            gm,
-            lambda g, observe: run_backward_passes(g, example_inputs, observe=observe, managed=self.managed, register=register),
-        )
-        # Only gradients this graph really produces are expected from its forward runs.
-        self.forward_counts = self._counts(
-            (launch.owner, launch.bucket) for launch in launches for _ in launch.positions
-        )
-        return _inner_compile(self.options, gm, example_inputs, is_backward=True)
-
-    def _graph_bucket(self, launch: BucketLaunch) -> GraphBucket:
-        params = [self.params[p] for p in launch.positions]
-        sync = self.syncs[launch.owner]
-        with unset_fake_temporarily():  # a real tensor, though a lazy backward compiles under fake mode
-            slots = torch.tensor([sync.slot_of[id(p)] for p in params], dtype=torch.int64)
-        return GraphBucket(sync, launch.bucket, [p.main_grad for p in params], slots)
-
-    def _counting(self, compiled: Callable) -> Callable:
-        def run(args: list[Any]) -> Any:
-            for sync, counts in self.forward_counts:
-                sync.forward_ran(counts)
-            return compiled(args)
-
-        run._boxed_call = True  # type: ignore[attr-defined]
-        return run
-
-
-def _has_unmanaged_trainable_params(example_inputs: Sequence[Any]) -> bool:
-    return any(isinstance(x, torch.nn.Parameter) and x.requires_grad and _owner(x) is None for x in example_inputs)
-
-
-def _compile_bound(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions) -> Callable:
-    """AOT-compile ``gm`` with its managed-param bindings taken from ``example_inputs``."""
-    graph = _CompiledGraph(example_inputs, opts, input_names(gm))
-    graph.register_with_runtime()
-    inductor = opts.inner_compiler == "inductor"
-    decompositions = None
-    if inductor:
-        from torch._inductor.compile_fx import partition_fn as inductor_partition_fn
-        from torch._inductor.decomposition import select_decomp_table
-
-        decompositions = select_decomp_table()
-    backend = aot_autograd(
-        fw_compiler=graph.compile_forward,
-        bw_compiler=graph.compile_backward,
-        inference_compiler=graph.compile_inference,
-        decompositions=decompositions,
-        # Inductor's own partitioner: its joint-graph passes, then min-cut rematerialization
-        partition_fn=inductor_partition_fn if inductor else default_partition,
-        keep_inference_input_mutations=True,
-    )
-    return backend(gm, example_inputs)
-
-
-class _ParamBoundDispatch:
-    """Dynamo reuses one compiled graph for structurally identical modules (every block
-    of a model whose loop graph-broke) with *different* params as inputs. Gradients must
-    land in each param's own ``main_grad``, so each set of params gets its own binding:
-    an O(1) identity check of the first and last managed input picks it."""
-
-    def __init__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], opts: BackendOptions, positions: list[int]) -> None:
-        self.gm, self.opts = gm, opts
-        self.first, self.last = positions[0], positions[-1]
-        self.variants = {self._key(example_inputs): _compile_bound(gm, example_inputs, opts)}
-
-    def _key(self, args: Sequence[Any]) -> tuple[int, int]:
-        return id(args[self.first]), id(args[self.last])
-
-    def __call__(self, *args: Any) -> Any:
-        compiled = self.variants.get(self._key(args))
-        if compiled is None:
-            log.info("graph reused with other params: binding a new variant")
-            compiled = self.variants[self._key(args)] = _compile_bound(self.gm, list(args), self.opts)
-        return compiled(*args)
-
-
 def fxzero_backend(
     gm: fx.GraphModule, example_inputs: Sequence[Any], *, options: Optional[Mapping[str, Any]] = None, mode: Optional[str] = None
 ) -> Callable:
@@ -238,17 +75,110 @@ def fxzero_backend(
     if mode is not None:
         raise ValueError(f"fxzero does not take torch.compile(mode={mode!r}); pass options={{'inner_compiler': ...}}")
     opts = BackendOptions.from_mapping(options)
-    if opts.inner_compiler == "inductor":  # as torch.compile's Inductor backend does, before AOTAutograd
-        from torch._inductor.compile_fx import _recursive_pre_grad_passes
+    inductor = opts.inner_compiler == "inductor"
+    if inductor:  # as torch.compile's Inductor backend does, before AOTAutograd
+        gm = compat.inductor_pre_grad_passes(gm, example_inputs)
+    owners, managed = managed_params(example_inputs)
+    if not managed:
+        _warn_if_unmanaged(example_inputs)
+    dumper = GraphDumper(opts.dump_dir, owners, managed, compat.dynamo_input_names(gm), example_inputs)
+    hooks = _GraphCompiler(opts, len(example_inputs), managed, dumper)
+    return compat.aot_autograd(
+        fw_compiler=hooks.forward,
+        bw_compiler=hooks.backward,
+        inference_compiler=hooks.inference,
+        partition_fn=hooks.partition,
+        decompositions=compat.inductor_decompositions() if inductor else None,
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)
 
-        gm = _recursive_pre_grad_passes(gm, example_inputs)
-    positions = [i for i, x in enumerate(example_inputs) if _owner(x) is not None]
-    if not positions:
-        if _has_unmanaged_trainable_params(example_inputs):
-            warnings.warn(
-                "fxzero: this compiled graph's trainable params are not managed by any fxzero.DistributedOptimizer; "
-                "it compiles and trains as plain torch.compile (gradients go to param.grad)",
-                stacklevel=2,
-            )
-        return _compile_bound(gm, example_inputs, opts)
-    return _ParamBoundDispatch(gm, example_inputs, opts, positions)
+
+def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam]]:
+    """The optimizers owning params among ``example_inputs`` (first appearance first) and
+    those params, as each optimizer's ``bind`` describes them."""
+    owners: list[Any] = []
+    for value in example_inputs:
+        owner = owner_of(value)
+        if owner is not None and all(owner is not o for o in owners):
+            owners.append(owner)
+    managed = [
+        ManagedParam(position, index, bucket)
+        for index, owner in enumerate(owners)
+        for position, bucket in zip(*dataclasses.astuple(owner.bind(example_inputs)))
+    ]
+    return owners, sorted(managed, key=lambda m: m.position)
+
+
+def _warn_if_unmanaged(example_inputs: Sequence[Any]) -> None:
+    if any(isinstance(x, torch.nn.Parameter) and x.requires_grad for x in example_inputs):
+        warnings.warn(
+            "fxzero: this compiled graph's trainable params are not managed by any fxzero.DistributedOptimizer; "
+            "it compiles and trains as plain torch.compile (gradients go to param.grad)",
+            stacklevel=3,
+        )
+
+
+_graph_ids = itertools.count()
+
+
+class _GraphCompiler:
+    """AOTAutograd's hooks for one Dynamo graph: fxzero's passes, then the inner compiler.
+    It keeps plain data (positions, plans) and the dump record, never an optimizer."""
+
+    def __init__(self, opts: BackendOptions, num_inputs: int, managed: list[ManagedParam], dumper: GraphDumper) -> None:
+        self.opts, self.num_inputs, self.managed, self.dumper = opts, num_inputs, managed, dumper
+        self.id = next(_graph_ids)
+        self.delivered: frozenset[int] = frozenset()
+        """Forward input positions whose gradients the backward hands to fxzero."""
+
+    def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        # AOTAutograd also partitions higher-order-op subgraphs with this function: only the
+        # graph whose primals are our inputs gets the launches.
+        primals = joint_inputs[0] if isinstance(joint_inputs, tuple) and len(joint_inputs) == 2 else ()
+        if len(primals) == self.num_inputs:
+            joint = self.dumper.around("joint", joint, lambda g, observe: run_joint_passes(
+                g, joint_inputs, observe=observe, managed=self.managed, num_fwd_outputs=kwargs["num_fwd_outputs"]))  # fmt: skip
+            self.delivered = _delivered_positions(joint)
+        inner = compat.inductor_partition if self.opts.inner_compiler == "inductor" else default_partition
+        return inner(joint, joint_inputs, **kwargs)
+
+    def forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        compiled = self._forward_graph("forward", gm, example_inputs)
+        groups = [[m.position for m in self.managed if m.owner == o] for o in range(len(self.dumper.owners))]
+        delivered = [[p in self.delivered for p in group] for group in groups]
+        return compiled_forward(self.id, groups, delivered, compiled) if self.managed else compiled
+
+    def inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return self._forward_graph("inference", gm, example_inputs)
+
+    def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        gm = self.dumper.around("backward", gm, lambda g, observe: run_backward_passes(g, example_inputs, observe=observe))
+        return _inner_compile(self.opts, gm, example_inputs, is_backward=True)
+
+    def _forward_graph(self, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        gm = self.dumper.around(kind, gm, lambda g, observe: run_forward_passes(g, example_inputs, observe=observe, managed=self.managed))
+        return _inner_compile(self.opts, gm, example_inputs, is_backward=False)
+
+
+def _delivered_positions(joint: fx.GraphModule) -> frozenset[int]:
+    """Positions of the params whose gradients the joint graph's launches take."""
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    index = {node: i for i, node in enumerate(primals)}
+    return frozenset(index[p] for n in joint.graph.nodes if is_grads_ready(n) for p in n.args[1])
+
+
+def _inner_compile(options: BackendOptions, gm: fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool) -> Callable:
+    if options.inner_compiler == "eager":
+        return make_boxed_func(gm.forward)
+    if is_backward:
+        return compat.inductor_compile(gm, example_inputs, is_backward=True)
+    # Inductor's own FX rewrites run after fxzero's passes: the last of them puts any
+    # param read they moved above its bucket's wait back below it.
+    with compat.inductor_post_grad_pass(hoist_waits_above_readers, _pass_uuid()):
+        return compat.inductor_compile(gm, example_inputs, is_backward=False)
+
+
+@functools.lru_cache(maxsize=None)
+def _pass_uuid() -> bytes:
+    """Keys Inductor's FX graph cache to the post-grad pass's source."""
+    return hashlib.sha256(Path(param_gather_wait.__file__).read_bytes()).digest()

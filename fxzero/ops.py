@@ -1,106 +1,67 @@
-"""Custom ops that compiled graphs call into the runtime with.
+"""The custom ops compiled graphs call into the optimizer with.
 
-``fxzero::wait_params(handle)`` makes one bucket's params current (waits for its
-all-gather, launches the next one) and returns an empty token tensor that the forward
-pass makes every reader of those params depend on (:mod:`fxzero.passes.param_gather_wait`).
+Both take the params they concern as graph values: at run time they find the params'
+optimizer through the params themselves (:func:`fxzero.optim.binding.binding_of`), so a
+compiled graph holds no handle, no table entry and no optimizer, and one graph serves every
+param set it is called with. Both declare their effects to the compiler:
 
-``fxzero::grads_ready(grads, handle)`` adds one bucket's gradients from one backward
-graph into their ``main_grad`` views and reports them to the bucket's
-:class:`~fxzero.optim.grad_sync.GradSync`, which may launch the bucket's
-reduce-scatter. A custom op cannot take Python objects, so the backward pass registers
-a :class:`GraphBucket` (the runtime objects one op call needs) and bakes its integer
-handle into the graph. The op returns nothing, so it is marked side-effecting to
-survive dead-code elimination under every inner compiler.
+``fxzero::wait_params(Tensor(a!)[] params) -> ()`` (forward; inserted by
+:mod:`fxzero.passes.param_gather_wait`) waits for the all-gather of the buckets holding
+``params`` (landing them) and launches the next one. It is declared to **write**
+``params``: every later read of them is a read-after-write that compilers keep after it
+(Inductor's scheduler makes any kernel reading a mutated buffer depend on the mutation).
+It is defined with a raw schema, not ``torch.library.custom_op``, because the latter
+would also bump the params' autograd version counters on each call, and a param saved for
+backward by an earlier graph (a tied weight read by two graphs) would then fail its
+version check; the wait never changes a value anyone has read.
+
+``fxzero::grads_ready(Tensor[] grads, Tensor[] params) -> Tensor`` (backward; inserted by
+:mod:`fxzero.passes.bucket_reduce_scatter`) adds ``grads`` into the params' ``main_grad``
+views and reports them, which may launch their bucket's reduce-scatter. What it writes
+(``main_grad``, collectives) is not a graph value, so it is registered as an *ordered
+effect* (torch's effects system): it is never dead-code eliminated or reordered against
+other effects. It returns an empty token the pass routes to a backward output during
+partitioning, which is what makes AOTAutograd save the params for the backward.
+
+Importing this module defines the ops (``fxzero/__init__.py`` does it).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import threading
-
 import torch
-from torch.fx.node import has_side_effect
 
-from .optim.grad_sync import GradSync
-from .optim.param_sync import ParamSync
+from ._torch_compat import register_ordered_effect
+from .optim.binding import binding_of
 
-__all__ = ["GraphBucket", "GraphGather", "register_graph_bucket"]
+__all__ = ["grads_ready", "wait_params"]
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class GraphBucket:
-    """What one ``fxzero::grads_ready`` call site needs, made once at compile time."""
-
-    sync: GradSync
-    bucket: int
-    main_grads: list[torch.Tensor]
-    """``main_grad`` views, in the order the op receives the gradients."""
-    slots: torch.Tensor
-    """int64 param slots of those gradients (for presence flags)."""
-
-    @property
-    def count(self) -> int:
-        return len(self.main_grads)
+_lib = torch.library.Library("fxzero", "DEF")
+_lib.define("wait_params(Tensor(a!)[] params) -> ()")
+_lib.define("grads_ready(Tensor[] grads, Tensor[] params) -> Tensor")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class GraphGather:
-    """What one ``fxzero::wait_params`` call site needs."""
-
-    sync: ParamSync
-    bucket: int
+def wait_params(params: list[torch.Tensor]) -> None:
+    """Make ``params`` current (their buckets' gathers waited for and landed)."""
+    binding_of(params[0]).wait(params)
 
 
-_graph_buckets: list = []
-_lock = threading.Lock()
+def grads_ready(grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+    """Hand one backward graph's gradients of ``params`` to their optimizer."""
+    binding = binding_of(params[0])
+    binding.grads_ready(grads, params)
+    return binding.token
 
 
-def register_graph_bucket(entry: "GraphBucket | GraphGather") -> int:
-    """Store ``entry`` for the lifetime of the process; returns its op handle."""
-    with _lock:
-        _graph_buckets.append(entry)
-        return len(_graph_buckets) - 1
-
-
-@torch.library.custom_op("fxzero::grads_ready", mutates_args=())
-def grads_ready(grads: list[torch.Tensor], handle: int) -> None:
-    """Add ``grads`` into their ``main_grad`` views; report the bucket's contributions."""
-    entry = _graph_buckets[handle]
-    if entry.sync.before_grad_write is not None:
-        entry.sync.before_grad_write(entry.bucket)
-    torch._foreach_add_(entry.main_grads, grads)
-    entry.sync.compiled_grads_ready(entry.bucket, entry.count, entry.slots)
-
-
-@grads_ready.register_fake
-def _grads_ready_fake(grads: list[torch.Tensor], handle: int) -> None:
+def _wait_params_fake(params: list[torch.Tensor]) -> None:
     return None
 
 
-has_side_effect(torch.ops.fxzero.grads_ready.default)
-
-
-# ``wait_params`` is defined with a raw schema rather than ``torch.library.custom_op``:
-# its params argument is declared mutated (``Tensor(a!)[]``), which is what orders every
-# later read of those params after it in Inductor's scheduler, but ``custom_op`` would
-# also bump the params' autograd version counters on every call, and a param saved for
-# backward by an earlier graph (a tied weight read by two graphs) would then fail its
-# version check. The wait never changes a value anyone has read: a bucket is only
-# written before its first read of the step.
-_lib = torch.library.Library("fxzero", "FRAGMENT")
-_lib.define("wait_params(Tensor(a!)[] params, int handle) -> ()")
-
-
-def wait_params(params: list[torch.Tensor], handle: int) -> None:
-    """Wait for one bucket's param all-gather (and land it): ``params`` (this graph's
-    params of the bucket) hold the gathered values afterwards."""
-    entry = _graph_buckets[handle]
-    entry.sync.wait(entry.bucket)
-
-
-def _wait_params_fake(params: list[torch.Tensor], handle: int) -> None:
-    return None
+def _grads_ready_fake(grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+    return torch.empty(0, device=params[0].device)
 
 
 _lib.impl("wait_params", wait_params, "CompositeExplicitAutograd")
+_lib.impl("grads_ready", grads_ready, "CompositeExplicitAutograd")
 torch.library.register_fake("fxzero::wait_params", _wait_params_fake, lib=_lib)
+torch.library.register_fake("fxzero::grads_ready", _grads_ready_fake, lib=_lib)
+register_ordered_effect(torch.ops.fxzero.grads_ready.default, _lib)

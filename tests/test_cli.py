@@ -37,7 +37,7 @@ def test_cli_with_torch_logs_prints_the_table_logs_and_dumps(tmp_path: Path) -> 
     assert "buckets spanning several graphs: 0 (graphs 0, 1)" in result.stdout
     assert "fxzero graph 000 forward: " in result.stderr and "reduce-scatter launches for buckets 0, 1" in result.stderr
     index = json.loads((tmp_path / "summary.json").read_text())
-    assert [g["kinds"] for g in index["graphs"]] == [["backward", "forward"]] * 2
+    assert [g["kinds"] for g in index["graphs"]] == [["backward", "forward", "joint"]] * 2
 
 
 _TARGETS = """

@@ -56,17 +56,17 @@ fxzero buckets (dp=1): 2 buckets, 51 param elements in 256 buffer elements (80.1
 # primals_5 = 2.bias (bucket 0)
 -- graph 0 forward, after fxzero's passes (14 nodes; frees omitted) --
 def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias):
-    ag_wait_bucket1 = torch.ops.fxzero.wait_params.default([0.weight, 0.bias], <bucket 1>)  # <- fxzero: wait for bucket 1's all-gather (and launch the next)
+    ag_wait_bucket1 = torch.ops.fxzero.wait_params.default([0.weight, 0.bias])  # <- fxzero: wait for bucket 1's all-gather (and launch the next)
     t = torch.ops.aten.t.default(0.weight)
     addmm = torch.ops.aten.addmm.default(0.bias, primals_1, t)
     relu = torch.ops.aten.relu.default(addmm)
     detach = torch.ops.aten.detach.default(relu)
-    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([2.weight, 2.bias], <bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([2.weight, 2.bias])  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
     t_1 = torch.ops.aten.t.default(2.weight)
     addmm_1 = torch.ops.aten.addmm.default(2.bias, relu, t_1)
-    return (addmm_1, primals_1, relu, detach, t_1)
--- graph 0 backward, after fxzero's passes (24 nodes; frees omitted) --
-def forward(self, primals_1, relu, detach, t_1, tangents_1):
+    return (addmm_1, primals_1, 0.weight, 0.bias, 2.weight, 2.bias, relu, detach, t_1)
+-- graph 0 backward, after fxzero's passes (28 nodes; frees omitted) --
+def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias, relu, detach, t_1, tangents_1):
     t_2 = torch.ops.aten.t.default(t_1)
     mm = torch.ops.aten.mm.default(tangents_1, t_2)
     t_3 = torch.ops.aten.t.default(tangents_1)
@@ -75,7 +75,7 @@ def forward(self, primals_1, relu, detach, t_1, tangents_1):
     sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True)
     view = torch.ops.aten.view.default(sum_1, [3])
     t_5 = torch.ops.aten.t.default(t_4)
-    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_5, view], <bucket 0>)  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
+    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_5, view], [2.weight, 2.bias])  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
     detach_1 = torch.ops.aten.detach.default(detach)
     threshold_backward = torch.ops.aten.threshold_backward.default(mm, detach_1, 0)
     t_6 = torch.ops.aten.t.default(threshold_backward)
@@ -84,12 +84,12 @@ def forward(self, primals_1, relu, detach, t_1, tangents_1):
     sum_2 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True)
     view_1 = torch.ops.aten.view.default(sum_2, [6])
     t_8 = torch.ops.aten.t.default(t_7)
-    rs_launch_bucket1 = torch.ops.fxzero.grads_ready.default([t_8, view_1], <bucket 1>)  # <- fxzero: launch bucket 1's reduce-scatter (its grads from this graph are in)
+    rs_launch_bucket1 = torch.ops.fxzero.grads_ready.default([t_8, view_1], [0.weight, 0.bias])  # <- fxzero: launch bucket 1's reduce-scatter (its grads from this graph are in)
     return (None, None, None, None, None)
 
 schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)
-bucket 0: reduce-scatter launches in graph 0 backward at node 13/24 (54%); all-gather waited in graph 0 forward at node 10/14 (71%)
-bucket 1: reduce-scatter launches in graph 0 backward at node 22/24 (92%); all-gather waited in graph 0 forward at node 5/14 (36%)
+bucket 0: reduce-scatter launches in graph 0 backward at node 17/28 (61%); all-gather waited in graph 0 forward at node 10/14 (71%)
+bucket 1: reduce-scatter launches in graph 0 backward at node 26/28 (93%); all-gather waited in graph 0 forward at node 5/14 (36%)
 buckets spanning several graphs: none
 """)
         _assert_untouched(model, opt, before)
@@ -111,14 +111,14 @@ fxzero buckets (dp=1): 1 bucket, 51 param elements in 256 buffer elements (80.1%
 # primals_3 = fc1.bias (bucket 0)
 -- graph 0 forward, after fxzero's passes (9 nodes; frees omitted) --
 def forward(self, primals_1, fc1.weight, fc1.bias):
-    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([fc1.weight, fc1.bias], <bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([fc1.weight, fc1.bias])  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
     t = torch.ops.aten.t.default(fc1.weight)
     addmm = torch.ops.aten.addmm.default(fc1.bias, primals_1, t)
     relu = torch.ops.aten.relu.default(addmm)
     detach = torch.ops.aten.detach.default(relu)
-    return (relu, primals_1, detach)
--- graph 0 backward, after fxzero's passes (13 nodes; frees omitted) --
-def forward(self, primals_1, detach, tangents_1):
+    return (relu, primals_1, fc1.weight, fc1.bias, detach)
+-- graph 0 backward, after fxzero's passes (15 nodes; frees omitted) --
+def forward(self, primals_1, fc1.weight, fc1.bias, detach, tangents_1):
     detach_1 = torch.ops.aten.detach.default(detach)
     threshold_backward = torch.ops.aten.threshold_backward.default(tangents_1, detach_1, 0)
     t_1 = torch.ops.aten.t.default(threshold_backward)
@@ -127,7 +127,7 @@ def forward(self, primals_1, detach, tangents_1):
     sum_1 = torch.ops.aten.sum.dim_IntList(threshold_backward, [0], True)
     view = torch.ops.aten.view.default(sum_1, [6])
     t_3 = torch.ops.aten.t.default(t_2)
-    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_3, view], <bucket 0>)  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
+    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_3, view], [fc1.weight, fc1.bias])  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
     return (None, None, None)
 
 == graph 1: 2 params of buckets 0 ==
@@ -135,12 +135,12 @@ def forward(self, primals_1, detach, tangents_1):
 # primals_3 = fc2.bias (bucket 0)
 -- graph 1 forward, after fxzero's passes (7 nodes; frees omitted) --
 def forward(self, primals_1, fc2.weight, fc2.bias):
-    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([fc2.weight, fc2.bias], <bucket 0>)  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([fc2.weight, fc2.bias])  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
     t = torch.ops.aten.t.default(fc2.weight)
     addmm = torch.ops.aten.addmm.default(fc2.bias, primals_1, t)
-    return (addmm, primals_1, t)
--- graph 1 backward, after fxzero's passes (13 nodes; frees omitted) --
-def forward(self, primals_1, t, tangents_1):
+    return (addmm, primals_1, fc2.weight, fc2.bias, t)
+-- graph 1 backward, after fxzero's passes (15 nodes; frees omitted) --
+def forward(self, primals_1, fc2.weight, fc2.bias, t, tangents_1):
     t_1 = torch.ops.aten.t.default(t)
     mm = torch.ops.aten.mm.default(tangents_1, t_1)
     t_2 = torch.ops.aten.t.default(tangents_1)
@@ -149,11 +149,11 @@ def forward(self, primals_1, t, tangents_1):
     sum_1 = torch.ops.aten.sum.dim_IntList(tangents_1, [0], True)
     view = torch.ops.aten.view.default(sum_1, [3])
     t_4 = torch.ops.aten.t.default(t_3)
-    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_4, view], <bucket 0>)  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
+    rs_launch_bucket0 = torch.ops.fxzero.grads_ready.default([t_4, view], [fc2.weight, fc2.bias])  # <- fxzero: launch bucket 0's reduce-scatter (its grads from this graph are in)
     return (mm, None, None)
 
 schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)
-bucket 0: reduce-scatter launches in graph 0 backward at node 11/13 (85%), graph 1 backward at node 11/13 (85%) (at the last of these to run); all-gather waited in graph 0 forward at node 3/9 (33%), graph 1 forward at node 3/7 (43%) (by the first to run)
+bucket 0: reduce-scatter launches in graph 0 backward at node 13/15 (87%), graph 1 backward at node 13/15 (87%) (at the last of these to run); all-gather waited in graph 0 forward at node 3/9 (33%), graph 1 forward at node 3/7 (43%) (by the first to run)
 buckets spanning several graphs: 0 (graphs 0, 1)
 """)
         _assert_untouched(model, opt, before)

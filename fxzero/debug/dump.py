@@ -7,7 +7,9 @@ or a hang. Every compile therefore says what it inserted (an INFO line on the
 ``fxzero`` logger: ``TORCH_LOGS="fxzero"``), and on request keeps the evidence:
 
 - ``options={"dump_dir": DIR}`` (or ``FXZERO_DUMP_DIR=DIR``; the option wins) writes,
-  per Dynamo graph ``{id}`` and AOT graph ``{kind}`` (forward, backward, inference)::
+  per Dynamo graph ``{id}`` and AOT graph ``{kind}`` (``joint``: the joint forward+backward
+  graph before partitioning, where the bucket launches go in; ``forward``, ``backward``,
+  ``inference``: the partitioned graphs)::
 
       {id}_{kind}_before.py            the graph as AOTAutograd handed it to fxzero
       {id}_{kind}_pass{k}_{name}.py    after pass k (only when more than one pass ran)
@@ -34,23 +36,21 @@ import itertools
 import json
 import logging
 import os
-import re
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch._logging import trace_structured
-from torch._logging._internal import trace_log
 
-from .. import ops as _ops
+from .. import _torch_compat as compat
+from ..passes.matchers import LAUNCH_META, WAIT_META
 
 __all__ = [
     "DUMP_DIR_ENV",
     "GraphDumper",
     "InsertedNode",
-    "input_names",
     "inserted_nodes",
     "observing",
     "resolve_dump_dir",
@@ -59,11 +59,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DUMP_DIR_ENV = "FXZERO_DUMP_DIR"
-_OPS = {
-    torch.ops.fxzero.grads_ready.default: "fxzero::grads_ready",
-    torch.ops.fxzero.wait_params.default: "fxzero::wait_params",
-}
-_HEADER = "import torch\nfrom math import inf, nan\nfrom torch import device\n\n"
+_OPS = {LAUNCH_META: "fxzero::grads_ready", WAIT_META: "fxzero::wait_params"}
+_HEADER = "import torch\nimport torch.fx._pytree as fx_pytree  # joint graphs flatten their inputs with it\nfrom math import inf, nan\nfrom torch import device\n\n"
 _graph_ids = itertools.count()
 _index: dict[Path, dict[int, dict[str, Any]]] = {}  # dump dir -> graph id -> index entry
 _observers: list[Callable[["GraphDumper", str, fx.GraphModule], None]] = []
@@ -71,16 +68,15 @@ _observers: list[Callable[["GraphDumper", str, fx.GraphModule], None]] = []
 
 @dataclasses.dataclass(frozen=True)
 class InsertedNode:
-    """One node fxzero's passes inserted, with the bucket its op handle stands for."""
+    """One node fxzero's passes inserted, with the bucket it was planned for."""
 
     name: str
     index: int
     """Position in the graph's node list (placeholders included)."""
     op: str
-    handle: int
+    owner: int
+    """Index of the optimizer among the Dynamo graph's owners (:attr:`GraphDumper.owners`)."""
     bucket: int
-    sync: Any
-    """The ``GradSync`` / ``ParamSync`` that the handle reports to (identifies the optimizer)."""
 
     @property
     def launch(self) -> bool:
@@ -89,26 +85,14 @@ class InsertedNode:
 
 
 def inserted_nodes(gm: fx.GraphModule) -> tuple[InsertedNode, ...]:
-    """fxzero's nodes in ``gm``, in graph order."""
+    """fxzero's nodes in ``gm``, in graph order (the passes tag them in ``node.meta``)."""
     found = []
     for index, node in enumerate(gm.graph.nodes):
-        op = _OPS.get(node.target) if node.op == "call_function" else None
-        if op is not None:
-            entry = _ops._graph_buckets[int(node.args[-1])]
-            found.append(InsertedNode(node.name, index, op, int(node.args[-1]), entry.bucket, entry.sync))
+        for key, op in _OPS.items():
+            if key in node.meta:
+                owner, bucket = node.meta[key]
+                found.append(InsertedNode(node.name, index, op, owner, bucket))
     return tuple(found)
-
-
-def input_names(gm: fx.GraphModule) -> list[str]:
-    """Each Dynamo graph input's module path (``blocks.0.fc.weight``) where its source
-    is a module attribute, else the placeholder's name: dumps name params as users do."""
-    names = []
-    for node in (n for n in gm.graph.nodes if n.op == "placeholder"):
-        grapharg = node.meta.get("grapharg")
-        source = grapharg.source.name if grapharg is not None and grapharg.source is not None else ""
-        parts = re.findall(r"\._(?:modules|parameters|buffers)\['([^']*)'\]", source if isinstance(source, str) else "")
-        names.append(".".join(parts) if parts else node.name)
-    return names
 
 
 def resolve_dump_dir(option: Union[str, "os.PathLike[str]", None]) -> Optional[Path]:
@@ -185,15 +169,29 @@ class GraphDumper:
         owners: Sequence[Any] = (),
         managed: Sequence[Any] = (),
         names: Sequence[str] = (),
+        inputs: Sequence[Any] = (),
     ) -> None:
         self.graph_id = next(_graph_ids)
         self.dir = resolve_dump_dir(dump_dir)
-        self.owners, self.managed, self.names = list(owners), list(managed), list(names)
-        compile_id = torch._guards.CompileContext.current_compile_id()
+        # a record must keep neither optimizers nor params alive
+        self._owners = [weakref.ref(owner) for owner in owners]
+        self._params = {m.position: weakref.ref(inputs[m.position]) for m in managed} if inputs else {}
+        self.managed, self.names = list(managed), list(names)
+        compile_id = compat.compile_id()
         self.compile_id, self.compile_name = compile_id, str(compile_id) if compile_id is not None else None
         self.parts: dict[str, _Part] = {}
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def owners(self) -> list[Any]:
+        """The optimizers whose params the graph reads (None for one since dropped)."""
+        return [ref() for ref in self._owners]
+
+    def param(self, position: int) -> Optional[torch.Tensor]:
+        """The managed param that was the graph's input ``position`` when it compiled."""
+        ref = self._params.get(position)
+        return ref() if ref is not None else None
 
     @property
     def stem(self) -> str:
@@ -211,7 +209,7 @@ class GraphDumper:
     ) -> fx.GraphModule:
         """Run ``passes(gm, observe)`` (which calls ``observe(pass_name, gm)`` after each
         pass) and record the graph before, between and after the passes."""
-        wanted = self.dir is not None or bool(trace_log.handlers)  # no text rendered otherwise
+        wanted = self.dir is not None or compat.tracing()  # no text rendered otherwise
         nodes_before = len(gm.graph.nodes)
         stages = [("before", _readable(gm, self._title(kind, "before fxzero's passes")))] if wanted else []
 
@@ -256,12 +254,7 @@ class GraphDumper:
         self._trace(f"{self.stem}_summary", "json", summary)
 
     def _trace(self, name: str, encoding: str, payload: Any) -> None:
-        trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": f"fxzero_{name}", "encoding": encoding},
-            payload_fn=lambda: payload,
-            compile_id=self.compile_id,
-        )
+        compat.trace_artifact(f"fxzero_{name}", encoding, payload, self.compile_id)
 
     def _write_json(self, name: str, value: Any) -> None:
         assert self.dir is not None
@@ -320,16 +313,13 @@ class GraphDumper:
             "grad_dtype": str(bucket.grad_data.dtype).removeprefix("torch."),
         }
 
-    def _owner_of(self, sync: Any) -> Optional[int]:
-        return next((i for i, o in enumerate(self.owners) if sync is o.grad_sync or sync is o.param_sync), None)
-
     def _part_summary(self, part: _Part) -> dict[str, Any]:
         return {
             "nodes_before": part.nodes_before,
             "nodes_after": part.nodes_after,
             "files": [f"{self.stem}_{part.kind}_{name}.py" for name, _ in part.stages] if self.dir is not None else [],
             "inserted": [
-                {"name": n.name, "op": n.op, "optimizer": self._owner_of(n.sync), "bucket": n.bucket, "index": n.index}
+                {"name": n.name, "op": n.op, "optimizer": n.owner, "bucket": n.bucket, "index": n.index}
                 for n in part.inserted
             ],
         }

@@ -60,10 +60,9 @@ class Explained:
     names: dict[int, str]
     """``id(param)`` -> module path, as ``model.named_parameters()`` spells it."""
 
-    def bucket_of(self, node: InsertedNode) -> Optional[int]:
-        """The bucket behind an inserted node, if it belongs to this optimizer."""
-        mine = node.sync is self.optimizer.grad_sync or node.sync is self.optimizer.param_sync
-        return node.bucket if mine else None
+    def bucket_of(self, graph: Graph, node: InsertedNode) -> Optional[int]:
+        """The bucket behind a node inserted in ``graph``, if it belongs to this optimizer."""
+        return node.bucket if graph.dumper.owners[node.owner] is self.optimizer else None
 
     def params_of(self, graph: Graph) -> list[tuple[str, str, int]]:
         """``(forward placeholder, module path, bucket)`` of this optimizer's params in ``graph``."""
@@ -74,7 +73,7 @@ class Explained:
         found = []
         for m in sorted(graph.dumper.managed, key=lambda m: m.position):
             if owners[m.owner] is self.optimizer and m.position < len(forward.placeholders):
-                param = self.optimizer.params[m.slot]
+                param = graph.dumper.param(m.position)
                 found.append((forward.placeholders[m.position], self.names.get(id(param), "?"), m.bucket))
         return found
 
@@ -95,6 +94,8 @@ def _recording(graphs: list[Graph]) -> Iterator[None]:
     by_dumper: dict[int, Graph] = {}
 
     def record(dumper: GraphDumper, kind: str, gm: fx.GraphModule) -> None:
+        if kind == "joint":  # shown as the forward and backward it is partitioned into
+            return
         graph = by_dumper.get(id(dumper))
         if graph is None:
             graph = by_dumper[id(dumper)] = Graph(dumper)
@@ -107,7 +108,7 @@ def _recording(graphs: list[Graph]) -> Iterator[None]:
 
 def _run_once(model: torch.nn.Module, inputs: Sequence[Any], optimizer: Any, options: dict[str, Any]) -> list[Graph]:
     graphs: list[Graph] = []
-    torch._dynamo.reset()
+    torch.compiler.reset()
     compiled = torch.compile(model, backend="fxzero", options=options)
     with _recording(graphs), optimizer.no_sync():
         out = compiled(*inputs)
@@ -126,7 +127,7 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
 def _check_arguments(model: Any, optimizer: Any, inner_compiler: str) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxzero.explain: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not hasattr(optimizer, "grad_sync") or not hasattr(optimizer, "buckets"):
+    if not hasattr(optimizer, "bind") or not hasattr(optimizer, "buckets"):
         raise TypeError(
             f"fxzero.explain: optimizer must be a fxzero.DistributedOptimizer, got {type(optimizer).__name__}"
         )

@@ -28,7 +28,6 @@ _HEADERS = (
 )  # fmt: skip
 _FREES = re.compile(r";  (?:\w+ = )+None$")
 _SUBGRAPH_FETCH = re.compile(r"^\s*(\w+) = self\.\1$")
-_HANDLE = re.compile(r"(torch\.ops\.fxzero\.\w+\.default\((?:\[[^\]]*\], )?)\d+\)")
 
 
 def render(explained: "Explained") -> str:
@@ -105,7 +104,7 @@ def _renames(graph: "Graph", part: "Recorded", explained: "Explained") -> dict[s
     nodes by what they do and for which bucket."""
     renames = {placeholder: path for placeholder, path, _ in explained.params_of(graph)}
     for node in part.inserted:
-        renames[node.name] = _node_label(node, explained.bucket_of(node))
+        renames[node.name] = _node_label(node, explained.bucket_of(graph, node))
     return renames
 
 
@@ -113,11 +112,6 @@ def _mark(node: "InsertedNode", bucket: Any) -> str:
     if node.launch:
         return f"  # <- fxzero: launch bucket {bucket}'s reduce-scatter (its grads from this graph are in)"
     return f"  # <- fxzero: wait for bucket {bucket}'s all-gather (and launch the next)"
-
-
-def _show_bucket(line: str, bucket: Any) -> str:
-    """An op handle is a process-wide counter; the bucket it stands for is what matters."""
-    return _HANDLE.sub(lambda m: f"{m.group(1)}<bucket {bucket}>)", line)
 
 
 def _marked_code(graph: "Graph", part: "Recorded", explained: "Explained") -> list[str]:
@@ -138,7 +132,7 @@ def _marked_code(graph: "Graph", part: "Recorded", explained: "Explained") -> li
         if pattern is not None:
             line = pattern.sub(lambda m: renames[m.group(1)], line)
         if node is not None:
-            line = _show_bucket(line, explained.bucket_of(node)) + _mark(node, explained.bucket_of(node))
+            line += _mark(node, explained.bucket_of(graph, node))
         out.append(line)
     return out
 
@@ -162,7 +156,7 @@ def _sites(explained: "Explained", bucket: int, launch: bool) -> list[str]:
     for number, graph in enumerate(explained.graphs):
         for kind, part in graph.parts.items():
             for node in part.inserted:
-                if node.launch == launch and explained.bucket_of(node) == bucket:
+                if node.launch == launch and explained.bucket_of(graph, node) == bucket:
                     pct = round(100 * node.index / part.total)
                     sites.append(f"graph {number} {kind} at node {node.index}/{part.total} ({pct}%)")
     return sites

@@ -36,8 +36,8 @@ from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
+from .._torch_compat import foreach_mul_, in_backward, queue_end_of_backward
 from .buffers import Bucket, ReceiveRing
 from .comm import DataParallelGroup
 
@@ -174,9 +174,9 @@ class GradSync:
     def _queue_end_of_backward(self) -> None:
         # Outside a backward (an op run by hand, a test) there is no engine to call us
         # back: step() launches what is left instead.
-        if self._callback_queued or torch._C._current_graph_task_id() == -1:
+        if self._callback_queued or not in_backward():
             return
-        Variable._execution_engine.queue_callback(self._end_of_backward)
+        queue_end_of_backward(self._end_of_backward)
         self._callback_queued = True
 
     def _end_of_backward(self) -> None:
@@ -213,7 +213,7 @@ class GradSync:
         self.launch_all()
         self.finish_launched()
         if self._post_scale is not None:
-            torch._foreach_mul_(self._own_shards, self._post_scale)
+            foreach_mul_(self._own_shards, self._post_scale)
 
     def finish_launched(self) -> None:
         """Wait for the reduce-scatters already launched; launch nothing."""

@@ -28,14 +28,16 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import foreach_mul_, foreach_norm
 from ..config import Config
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
+from .binding import GraphBinding, InputBinding
 from .grad_sync import GradSync
 from ..mxfp8.gather import Mxfp8Gather
 from .param_sync import Gather, ParamSync, PlainGather, install_param_waits
@@ -127,6 +129,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         separate = self.config.mxfp8_param_gather
         self.shards, self.fragments = build_shards(self.buffers, slot_of, self.dp.rank, separate_mains=separate)
         self.local = self._build_local_optimizer(slot_of)
+        self.binding = GraphBinding(self.params, self.grad_sync, self.param_sync)
+        """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
         for slot, param in enumerate(self.params):
             param._fxzero_owner = weakref.ref(self)
             param._fxzero_slot = slot
@@ -181,6 +185,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         _check_leaves(param_group, len(self.param_groups))
         super().add_param_group(param_group)
 
+    def bind(self, example_inputs: Sequence[Any]) -> InputBinding:
+        """Which of a graph's ``example_inputs`` this optimizer manages, and their buckets:
+        what the ``fxzero`` backend plans its passes with. Compiled graphs keep only this
+        plain data; at run time their ops find the optimizer through the params."""
+        return self.binding.describe(example_inputs)
+
     # ---- the step ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> StepResult:  # type: ignore[override]
@@ -212,7 +222,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._fragment_grads:
             # per-fragment norms in fp32 (as clip_grad_norm_ does; converting every element
             # to fp64 cost 16x more), combined in fp64
-            norms = torch._foreach_norm(self._fragment_grads, 2)
+            norms = foreach_norm(self._fragment_grads, 2)
             stats[-1] = torch.stack(norms).double().square().sum()
         else:
             stats[-1] = 0.0
@@ -224,7 +234,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         coef = self.config.clip_grad / (float(norm) + 1e-6)
         if coef < 1.0:
-            torch._foreach_mul_([s.main_grad for s in self.shards], coef)
+            foreach_mul_([s.main_grad for s in self.shards], coef)
 
     def _sync_hyperparameters(self) -> None:
         """Copy (possibly scheduler-edited) hyperparameters to the wrapped optimizer."""

@@ -27,13 +27,13 @@ ParamSync only orders launches, waits and landings.
 
 from __future__ import annotations
 
-import functools
 import logging
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .._torch_compat import profiler_enabled
 from .buffers import Bucket
 from .comm import DataParallelGroup
 
@@ -116,7 +116,7 @@ class ParamSync:
         self._next_launch = 0
         # Under torch.profiler the gathers finish inside the step: a profiler that stops
         # while gloo work started under it is in flight crashed the next wait (torch 2.13).
-        if self.overlap and not torch._C._autograd._profiler_enabled():
+        if self.overlap and not profiler_enabled():
             self._launch_through(1)
         else:
             self.finish()
@@ -164,22 +164,33 @@ class ParamSync:
         return tuple(self._stale)
 
 
-def _wait_before_forward(sync: ParamSync, indices: tuple[int, ...], module: torch.nn.Module, args: Any) -> None:
-    # Inside a compiled region Dynamo traces this as a no-op: the graph's own
-    # fxzero::wait_params ops order the reads there.
-    if not torch.compiler.is_compiling():
-        sync.wait_many(indices)
+class _WaitBeforeForward:
+    """One forward pre-hook object shared by every module that owns managed params: it
+    waits for the buckets of the module's own params. Shared, and reading nothing while
+    Dynamo traces it, so compiling identical blocks guards on nothing that differs
+    between them and one compiled graph serves them all (a hook per module carrying its
+    bucket indices made Dynamo recompile every block)."""
+
+    def __init__(self, sync: ParamSync, buckets_of_module: dict[int, tuple[int, ...]]) -> None:
+        self.sync, self.buckets_of_module = sync, buckets_of_module
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        # In a compiled region the graph's own fxzero::wait_params ops order the reads.
+        if torch.compiler.is_compiling():
+            return
+        self.sync.wait_many(self.buckets_of_module[id(module)])
 
 
 def install_param_waits(module: torch.nn.Module, buckets: Sequence[Bucket], sync: ParamSync) -> list[Any]:
     """Forward pre-hooks on every submodule that owns managed params (waiting for their
     buckets) and a ``state_dict`` pre-hook on ``module``; returns the hook handles."""
     bucket_of = {id(p): b.index for b in buckets for p in b.params}
-    handles = []
+    owners = {}
     for sub in module.modules():
         owned = {bucket_of[id(p)] for p in sub._parameters.values() if p is not None and id(p) in bucket_of}
         if owned:
-            hook = functools.partial(_wait_before_forward, sync, tuple(sorted(owned, reverse=True)))
-            handles.append(sub.register_forward_pre_hook(hook))
+            owners[id(sub)] = (sub, tuple(sorted(owned, reverse=True)))
+    hook = _WaitBeforeForward(sync, {key: indices for key, (_, indices) in owners.items()})
+    handles = [sub.register_forward_pre_hook(hook) for sub, _ in owners.values()]
     handles.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: sync.finish()))
     return handles

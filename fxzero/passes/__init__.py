@@ -16,18 +16,22 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch.fx as fx
 
-from .bucket_reduce_scatter import bucket_reduce_scatter_pass
+from .bucket_reduce_scatter import bucket_reduce_scatter_pass, release_launch_outputs_pass
 from .param_gather_wait import param_gather_wait_pass
 
-__all__ = ["run_backward_passes", "run_forward_passes"]
+__all__ = ["run_backward_passes", "run_forward_passes", "run_joint_passes"]
 
 log = logging.getLogger(__name__)
 
 Pass = Callable[..., fx.GraphModule]
 Observer = Callable[[str, fx.GraphModule], None]
 
+JOINT_PASSES: tuple[Pass, ...] = (bucket_reduce_scatter_pass,)
+"""On AOTAutograd's joint graph, before partitioning."""
 FORWARD_PASSES: tuple[Pass, ...] = (param_gather_wait_pass,)
-BACKWARD_PASSES: tuple[Pass, ...] = (bucket_reduce_scatter_pass,)
+"""On the partitioned forward (and inference) graph."""
+BACKWARD_PASSES: tuple[Pass, ...] = (release_launch_outputs_pass,)
+"""On the partitioned backward graph."""
 
 
 def _run(
@@ -47,6 +51,12 @@ def _run(
         if observe is not None:
             observe(graph_pass.__name__, gm)
     return gm
+
+
+def run_joint_passes(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, observe: Optional[Observer] = None, **kwargs: Any
+) -> fx.GraphModule:
+    return _run(JOINT_PASSES, gm, example_inputs, observe, **kwargs)
 
 
 def run_forward_passes(

@@ -1,48 +1,63 @@
 """Backward pass: launch each bucket's reduce-scatter right after its last gradient.
 
-In an AOTAutograd backward graph, output ``i`` is the gradient of forward input ``i``.
-For the outputs that are managed params, this pass
+It runs on AOTAutograd's **joint** graph, before partitioning, where the gradient of
+forward input ``i`` is output ``num_fwd_outputs + i`` and the managed params are primal
+placeholders. For the managed gradients it
 
-1. plans, per bucket, the node that produces the bucket's **last** gradient in this
-   graph (graph order), as plain data (:func:`plan_launches`, testable without graphs);
-2. inserts right after it one ``fxzero::grads_ready(grads, handle)`` call, which adds
-   those gradients into ``main_grad`` and lets the runtime launch the bucket's async
+1. plans, per bucket, the node producing the bucket's **last** gradient (graph order), as
+   plain data (:func:`plan_launches`, testable without graphs);
+2. inserts right after it ``token = fxzero::grads_ready(grads, params)``: the op adds the
+   gradients into ``main_grad`` and lets the optimizer launch the bucket's async
    reduce-scatter while the rest of backward computes (:func:`insert_launches`);
-3. replaces those outputs by ``None`` so autograd never accumulates them again;
-4. checks the contract: every managed gradient feeds exactly one launch, and launches
-   are ordered by (graph position, bucket index), never by hashing.
+3. routes ``token`` to the bucket's first gradient output and makes its other gradient
+   outputs ``None``. An output is what keeps the op in the backward graph when AOTAutograd
+   partitions, and the partitioner then saves the op's inputs for the backward, the params
+   included (free: they are graph inputs). So the op receives the params themselves at
+   run time, and one compiled graph serves every param set it is called with;
+4. checks the contract: every managed gradient feeds exactly one launch, in (graph
+   position, bucket) order, never by hashing.
 
-::
+After partitioning, :func:`release_launch_outputs_pass` (on the backward graph) turns the tokens
+back into ``None`` outputs, so autograd never sees those gradients, and puts each launch
+right after its last gradient again (partitioners may reorder the backward)::
 
-    mm_3 = aten.mm(t_6, primals_3)       # last grad of bucket 0 in this graph
-    grads_ready([view_1, mm_3], 0)       # <- inserted: bucket 0's handle
+    mm_3 = aten.mm(t_6, primals_3)                            # last grad of bucket 0
+    grads_ready = fxzero.grads_ready([view_1, mm_3], [primals_2, primals_3])   # <- inserted
     ...
-    return (None, None, primals_4_grad)  # managed outputs become None
+    return (None, None, primals_4_grad)                       # managed outputs are None
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
-from .matchers import copy_node_provenance, graph_output, is_grads_ready
+from .matchers import LAUNCH_META, copy_node_provenance, graph_output, is_grads_ready
 
-__all__ = ["BucketLaunch", "LaunchPlan", "ManagedParam", "bucket_reduce_scatter_pass", "insert_launches", "plan_launches"]
+__all__ = [
+    "BucketLaunch",
+    "LaunchPlan",
+    "ManagedParam",
+    "bucket_reduce_scatter_pass",
+    "insert_launches",
+    "plan_launches",
+    "release_launch_outputs_pass",
+]
 
 
 @dataclasses.dataclass(frozen=True)
 class ManagedParam:
-    """A backward output that is the gradient of a managed param."""
+    """A forward input that is a param some optimizer manages."""
 
     position: int
-    """Backward output index (= forward input index)."""
+    """Forward input index (= gradient index)."""
     owner: int
-    """Index of the param's GradSync among the graph's owners."""
+    """Index of its optimizer among the graph's owners."""
     bucket: int
-    slot: int
+    """Its bucket at compile time (plans group by it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +65,7 @@ class BucketLaunch:
     owner: int
     bucket: int
     positions: tuple[int, ...]
-    """Backward output positions of the bucket's gradients in this graph."""
+    """Forward input positions of the bucket's gradients in this graph."""
     after: int
     """Index (graph order) of the node producing the last of them."""
 
@@ -68,7 +83,7 @@ class LaunchPlan:
 def plan_launches(managed: Sequence[ManagedParam], producer: Mapping[int, int]) -> LaunchPlan:
     """Group managed gradients by bucket; each launch goes after its last producer.
 
-    ``producer`` maps an output position to the graph index of the node producing it;
+    ``producer`` maps a gradient position to the graph index of the node producing it;
     positions missing from it have no gradient in this graph and are left alone.
     """
     groups: dict[tuple[int, int], list[int]] = {}
@@ -83,39 +98,40 @@ def plan_launches(managed: Sequence[ManagedParam], producer: Mapping[int, int]) 
     return LaunchPlan(tuple(launches))
 
 
-def grad_producers(gm: fx.GraphModule) -> dict[int, int]:
-    """Output position -> graph index of the node producing that gradient."""
+def grad_producers(gm: fx.GraphModule, num_fwd_outputs: int) -> dict[int, int]:
+    """Gradient position -> graph index of the node producing that gradient."""
     index = {node: i for i, node in enumerate(gm.graph.nodes)}
-    outputs = graph_output(gm.graph).args[0]
-    return {pos: index[node] for pos, node in enumerate(outputs) if isinstance(node, fx.Node)}
+    grads = graph_output(gm.graph).args[0][num_fwd_outputs:]
+    return {pos: index[node] for pos, node in enumerate(grads) if isinstance(node, fx.Node)}
 
 
-def insert_launches(gm: fx.GraphModule, plan: LaunchPlan, handles: Sequence[int]) -> fx.GraphModule:
-    """Insert ``grads_ready`` for each planned launch; managed outputs become ``None``."""
+def insert_launches(gm: fx.GraphModule, plan: LaunchPlan, num_fwd_outputs: int) -> fx.GraphModule:
+    """Insert ``grads_ready`` for each planned launch; route the tokens to the outputs."""
     graph = gm.graph
     nodes = list(graph.nodes)
+    primals = [n for n in nodes if n.op == "placeholder"]
     output = graph_output(graph)
-    grads = list(output.args[0])
+    outputs = list(output.args[0])
     last_placeholder = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=0)
     anchor_of: dict[int, fx.Node] = {}
-    for launch, handle in zip(plan.launches, handles):
+    for launch in plan.launches:
         at = max(launch.after, last_placeholder)
-        anchor = anchor_of.get(at, nodes[at])
-        sources = [grads[p] for p in launch.positions]
-        with graph.inserting_after(anchor):
-            call = graph.call_function(torch.ops.fxzero.grads_ready.default, (sources, handle))
-        call.meta["val"] = None
-        copy_node_provenance([nodes[launch.after], *sources], call)
+        grads = [outputs[num_fwd_outputs + p] for p in launch.positions]
+        with graph.inserting_after(anchor_of.get(at, nodes[at])):
+            call = graph.call_function(torch.ops.fxzero.grads_ready.default, (grads, [primals[p] for p in launch.positions]))
+        call.meta["val"] = torch.empty(0, device=grads[0].meta["val"].device) if "val" in grads[0].meta else None
+        call.meta[LAUNCH_META] = (launch.owner, launch.bucket)
+        copy_node_provenance([nodes[launch.after], *grads], call)
         anchor_of[at] = call
-    for position in plan.positions:
-        grads[position] = None
-    output.args = (tuple(grads),)
+        for k, position in enumerate(launch.positions):
+            outputs[num_fwd_outputs + position] = call if k == 0 else None
+    output.args = (tuple(outputs),)
     graph.lint()
     gm.recompile()
     return gm
 
 
-def check_launch_contract(gm: fx.GraphModule, plan: LaunchPlan, managed: Sequence[ManagedParam]) -> None:
+def check_launch_contract(gm: fx.GraphModule, plan: LaunchPlan, num_fwd_outputs: int) -> None:
     """Every managed gradient feeds exactly one launch, in the planned order."""
     calls = [n for n in gm.graph.nodes if is_grads_ready(n)]
     if len(calls) != len(plan.launches):
@@ -126,25 +142,40 @@ def check_launch_contract(gm: fx.GraphModule, plan: LaunchPlan, managed: Sequenc
     keys = [(launch.after, launch.owner, launch.bucket) for launch in plan.launches]
     if keys != sorted(keys):
         raise RuntimeError("fxzero: bucket launches are not in (graph order, bucket) order")
-    outputs = graph_output(gm.graph).args[0]
-    leaked = [g.position for g in managed if outputs[g.position] is not None]
+    grads = graph_output(gm.graph).args[0][num_fwd_outputs:]
+    leaked = [p for p in positions if grads[p] is not None and not is_grads_ready(grads[p])]
     if leaked:
         raise RuntimeError(f"fxzero: managed gradients at outputs {leaked} still go to autograd")
 
 
 def bucket_reduce_scatter_pass(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[object],
-    *,
-    managed: Sequence[ManagedParam],
-    register: Callable[[BucketLaunch], int],
+    gm: fx.GraphModule, example_inputs: Sequence[object], *, managed: Sequence[ManagedParam], num_fwd_outputs: int
 ) -> fx.GraphModule:
-    """Plan, register (``register`` returns an op handle per launch), rewrite, check."""
+    """Plan, rewrite, check (on the joint graph)."""
     if not managed:
         return gm
-    plan = plan_launches(managed, grad_producers(gm))
-    handles = [register(launch) for launch in plan.launches]
-    insert_launches(gm, plan, handles)
-    check_launch_contract(gm, plan, [g for g in managed if g.position in plan.positions])
+    plan = plan_launches(managed, grad_producers(gm, num_fwd_outputs))
+    insert_launches(gm, plan, num_fwd_outputs)
+    check_launch_contract(gm, plan, num_fwd_outputs)
     return gm
 
+
+def release_launch_outputs_pass(gm: fx.GraphModule, example_inputs: Sequence[object], **_: object) -> fx.GraphModule:
+    """On the partitioned backward: launch tokens leave the outputs (autograd gets
+    ``None`` for those params) and each launch sits right after its last gradient."""
+    graph = gm.graph
+    output = graph_output(graph)
+    if not any(isinstance(n, fx.Node) and is_grads_ready(n) for n in output.args[0]):
+        return gm
+    output.args = (tuple(None if isinstance(n, fx.Node) and is_grads_ready(n) else n for n in output.args[0]),)
+    nodes = list(graph.nodes)
+    index = {node: i for i, node in enumerate(nodes)}
+    last_placeholder = max((i for i, n in enumerate(nodes) if n.op == "placeholder"), default=0)
+    after = {n: max(last_placeholder, *(index[i] for i in n.all_input_nodes)) for n in nodes if is_grads_ready(n)}
+    anchor_of: dict[int, fx.Node] = {}
+    for launch in sorted(after, key=lambda n: (after[n], n.meta.get(LAUNCH_META, ()))):
+        anchor_of.get(after[launch], nodes[after[launch]]).append(launch)
+        anchor_of[after[launch]] = launch
+    graph.lint()
+    gm.recompile()
+    return gm

@@ -2,8 +2,8 @@
 
 ::
 
-    backward: placeholder ... -> grad producer -> fxzero::grads_ready([grads], handle) -> ... -> output
-    forward:  placeholder(param) -> fxzero::wait_params([params], handle) -> first reader -> ...
+    joint/backward: placeholder ... -> grad producer -> fxzero::grads_ready([grads], [params]) -> ... -> output
+    forward:        placeholder(param) -> fxzero::wait_params([params]) -> first reader -> ...
 """
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["copy_node_provenance", "graph_output", "is_grads_ready", "is_wait_params"]
+__all__ = ["LAUNCH_META", "WAIT_META", "copy_node_provenance", "graph_output", "is_grads_ready", "is_wait_params"]
+
+LAUNCH_META = "fxzero_launch"
+"""``node.meta`` key of an inserted ``grads_ready``: ``(owner, bucket)`` it was planned for."""
+WAIT_META = "fxzero_wait"
+"""``node.meta`` key of an inserted ``wait_params``: ``(owner, bucket)`` it was planned for."""
 
 _PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "fwd_nn_module_stack")
 

@@ -5,9 +5,9 @@ a compiled forward graph this pass
 
 1. plans, per bucket, the first node (graph order) that reads any of its params, as
    plain data (:func:`plan_waits`);
-2. inserts ``fxzero::wait_params(params, handle)`` right before it, ``params`` being
-   this graph's inputs of that bucket; the op waits for the bucket's gather (lands it)
-   and launches the next bucket's (the prefetch chain).
+2. inserts ``fxzero::wait_params(params)`` right before it, ``params`` being this
+   graph's inputs of that bucket; the op waits for the bucket's gather (lands it) and
+   launches the next bucket's (the prefetch chain).
 
 The order is a data dependency, not a lucky schedule: the op's schema declares that it
 **writes** ``params`` (``Tensor(a!)[]``), so a compiler must keep every read of them that
@@ -21,7 +21,7 @@ runs as its last post-grad pass and moves a wait back above any read placed befo
 
 ::
 
-    wait_params_default = fxzero.wait_params([primals_1, primals_2], H)   # <- inserted
+    wait_params_default = fxzero.wait_params([primals_1, primals_2])   # <- inserted
     t = aten.t(primals_1)
     addmm = aten.addmm(primals_2, primals_3, t)   # reads the gathered weight and bias
 
@@ -33,13 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Callable, Mapping, Sequence
+from typing import Mapping, Sequence
 
 import torch
 import torch.fx as fx
 
 from .bucket_reduce_scatter import ManagedParam
-from .matchers import copy_node_provenance, graph_output, is_wait_params
+from .matchers import WAIT_META, copy_node_provenance, graph_output, is_wait_params
 
 __all__ = ["GatherWait", "WaitPlan", "hoist_waits_above_readers", "param_gather_wait_pass", "plan_waits"]
 
@@ -87,8 +87,8 @@ def param_readers(gm: fx.GraphModule) -> tuple[dict[int, list[int]], int]:
     return readers, index[graph_output(gm.graph)]
 
 
-def insert_waits(gm: fx.GraphModule, plan: WaitPlan, handles: Sequence[int]) -> fx.GraphModule:
-    """Insert ``fxzero::wait_params(params, handle)`` before each bucket's first reader.
+def insert_waits(gm: fx.GraphModule, plan: WaitPlan) -> fx.GraphModule:
+    """Insert ``fxzero::wait_params(params)`` before each bucket's first reader.
 
     The op's schema declares ``params`` mutated: for every compiler that is a write to
     those inputs, so every read of them that follows in the graph is ordered after it
@@ -97,11 +97,12 @@ def insert_waits(gm: fx.GraphModule, plan: WaitPlan, handles: Sequence[int]) -> 
     graph = gm.graph
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
-    for wait, handle in zip(plan.waits, handles):
+    for wait in plan.waits:
         params = [placeholders[p] for p in wait.positions]
         with graph.inserting_before(nodes[wait.before]):
-            call = graph.call_function(torch.ops.fxzero.wait_params.default, (params, handle))
+            call = graph.call_function(torch.ops.fxzero.wait_params.default, (params,))
         call.meta["val"] = None
+        call.meta[WAIT_META] = (wait.owner, wait.bucket)
         copy_node_provenance([nodes[wait.before]], call)
     graph.lint()
     gm.recompile()
@@ -132,16 +133,11 @@ def hoist_waits_above_readers(graph: fx.Graph) -> int:
 
 
 def param_gather_wait_pass(
-    gm: fx.GraphModule,
-    example_inputs: Sequence[object],
-    *,
-    managed: Sequence[ManagedParam],
-    register_wait: Callable[[GatherWait], int],
+    gm: fx.GraphModule, example_inputs: Sequence[object], *, managed: Sequence[ManagedParam]
 ) -> fx.GraphModule:
-    """Plan, register (one op handle per wait), rewrite."""
+    """Plan, rewrite."""
     if not managed:
         return gm
     readers, output = param_readers(gm)
-    plan = plan_waits(managed, readers, output)
-    insert_waits(gm, plan, [register_wait(wait) for wait in plan.waits])
+    insert_waits(gm, plan_waits(managed, readers, output))
     return gm

@@ -1,0 +1,187 @@
+"""How compiled graphs reach the optimizer that owns their params, without holding it.
+
+A compiled graph is plain code: it knows which of its inputs are managed params (by
+position) and where its passes put the ops, nothing else. Each op call carries the params
+themselves as graph values; the runtime finds their optimizer through the param
+(``param._fxzero_owner``, a weakref) and asks its :class:`GraphBinding`. So:
+
+* a compiled graph keeps no optimizer alive; a dropped optimizer's buffers are freed;
+* one compiled graph serves every param set Dynamo reuses it for (identical blocks of a
+  model whose loop graph-broke): each set gets its own cached entry here;
+* a new optimizer over the same params takes over the same compiled graphs: its binding
+  resolves their params against its own layout (even another bucket size).
+
+What is derived for a param set (its buckets, ``main_grad`` views, slots) is computed on
+its first call and cached in the binding, keyed by the identity of the set's first and
+last param and its length (an O(1) key: Dynamo reuses a graph for other *modules*,
+whose params all differ). The cache lives and dies with the optimizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .._torch_compat import foreach_add_
+from .grad_sync import GradSync
+from .param_sync import ParamSync
+
+__all__ = ["GraphBinding", "InputBinding", "binding_of", "compiled_forward", "owner_of"]
+
+
+def owner_of(param: Any) -> Any:
+    """The live :class:`~fxzero.DistributedOptimizer` managing ``param``, or None."""
+    ref = getattr(param, "_fxzero_owner", None)
+    return ref() if ref is not None else None
+
+
+def binding_of(param: torch.Tensor) -> "GraphBinding":
+    """The binding of ``param``'s optimizer; a clear error when it has none any more."""
+    owner = owner_of(param)
+    if owner is None:
+        name = getattr(param, "_fxzero_name", None) or f"of shape {tuple(param.shape)}"
+        raise RuntimeError(
+            f"fxzero: a compiled graph reads param {name}, which was compiled for a fxzero.DistributedOptimizer "
+            "that no longer exists. Build a new DistributedOptimizer over the model's params (the compiled graphs "
+            "use it), or call torch.compiler.reset() and compile again to train without fxzero."
+        )
+    return owner.binding
+
+
+@dataclasses.dataclass(frozen=True)
+class InputBinding:
+    """Which inputs of a graph one optimizer manages, as plain data (what the passes plan with)."""
+
+    positions: tuple[int, ...]
+    """Input positions of the managed params, ascending."""
+    buckets: tuple[int, ...]
+    """Bucket index of each, at compile time (plans group by it; the runtime re-resolves)."""
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Group:
+    """The params of one op call that fall in one bucket."""
+
+    bucket: int
+    indices: Optional[tuple[int, ...]]
+    """Their positions in the call's lists; None when the call's params are all in this bucket."""
+    main_grads: list[torch.Tensor]
+    slots: torch.Tensor
+
+
+def _key(params: Sequence[Any]) -> tuple[int, int, int]:
+    return id(params[0]), id(params[-1]), len(params)
+
+
+class GraphBinding:
+    """Everything compiled graphs call into, for one optimizer (``optimizer.binding``)."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], grad_sync: GradSync, param_sync: ParamSync) -> None:
+        self.grad_sync, self.param_sync = grad_sync, param_sync
+        self._params = tuple(params)
+        self.token = torch.empty(0, device=self._params[0].device)
+        """What ``fxzero::grads_ready`` returns (nothing reads it): made once, not per call."""
+        self._slot_of = {id(p): slot for slot, p in enumerate(self._params)}
+        self._grad_groups: dict[tuple[int, int, int], tuple[_Group, ...]] = {}
+        self._wait_buckets: dict[tuple[int, int, int], tuple[int, ...]] = {}
+        self._counts: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+
+    # ---- compile time -------------------------------------------------------------
+    def describe(self, inputs: Sequence[Any]) -> InputBinding:
+        """This optimizer's params among ``inputs`` (a graph's example inputs)."""
+        mine = tuple(i for i, x in enumerate(inputs) if self.manages(x))
+        return InputBinding(mine, tuple(self._bucket(inputs[p]) for p in mine))
+
+    def manages(self, value: Any) -> bool:
+        slot = self._slot_of.get(id(value))
+        return slot is not None and self._params[slot] is value
+
+    def _bucket(self, param: Any) -> int:
+        return self.grad_sync.bucket_of_slot[self._slot(param)]
+
+    def _slot(self, param: Any) -> int:
+        slot = self._slot_of.get(id(param))
+        if slot is None or self._params[slot] is not param:
+            raise RuntimeError(
+                f"fxzero: param of shape {tuple(param.shape)} reached an optimizer that does not manage it "
+                "(a compiled graph mixes params of two DistributedOptimizers in one bucket launch); "
+                "call torch.compiler.reset() and compile again"
+            )
+        return slot
+
+    # ---- fxzero::grads_ready --------------------------------------------------------
+    def grads_ready(self, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
+        """Add one backward graph's ``grads`` of ``params`` into ``main_grad``; report them."""
+        groups = self._grad_groups.get(_key(params))
+        if groups is None:
+            groups = self._grad_groups[_key(params)] = self._grad_groups_of(params)
+        sync = self.grad_sync
+        for group in groups:
+            if sync.before_grad_write is not None:
+                sync.before_grad_write(group.bucket)
+            mine = grads if group.indices is None else [grads[i] for i in group.indices]
+            foreach_add_(group.main_grads, mine)
+            sync.compiled_grads_ready(group.bucket, len(group.main_grads), group.slots)
+
+    def _grad_groups_of(self, params: Sequence[torch.Tensor]) -> tuple[_Group, ...]:
+        by_bucket: dict[int, list[int]] = {}
+        for i, param in enumerate(params):
+            by_bucket.setdefault(self._bucket(param), []).append(i)
+        whole = len(by_bucket) == 1
+        return tuple(
+            _Group(
+                bucket,
+                None if whole else tuple(indices),
+                [params[i].main_grad for i in indices],
+                torch.tensor([self._slot(params[i]) for i in indices], dtype=torch.int64),
+            )
+            for bucket, indices in sorted(by_bucket.items())
+        )
+
+    # ---- fxzero::wait_params --------------------------------------------------------
+    def wait(self, params: Sequence[torch.Tensor]) -> None:
+        """Make ``params`` current: wait for (and land) their buckets' gathers."""
+        buckets = self._wait_buckets.get(_key(params))
+        if buckets is None:
+            found = {self._bucket(p) for p in params}
+            buckets = self._wait_buckets[_key(params)] = tuple(sorted(found, reverse=True))  # forward order
+        self.param_sync.wait_many(buckets)
+
+    # ---- each run of a compiled forward --------------------------------------------
+    def forward_ran(self, graph: int, args: Sequence[Any], positions: Sequence[int], delivered: Sequence[bool]) -> None:
+        """A compiled forward (``graph`` identifies it) ran with ``args``: its backward will
+        deliver the gradients of the params at ``positions`` flagged in ``delivered``."""
+        key = (graph, id(args[positions[0]]), id(args[positions[-1]]), len(positions))
+        counts = self._counts.get(key)
+        if counts is None:
+            counts = self._counts[key] = self._register([args[p] for p in positions], delivered)
+        self.grad_sync.forward_ran(counts)
+
+    def _register(self, params: Sequence[Any], delivered: Sequence[bool]) -> list[tuple[int, int]]:
+        """First run with this param set: their gradients come from compiled graphs now."""
+        per_bucket: dict[int, int] = {}
+        for param, counted in zip(params, delivered):
+            if counted:
+                bucket = self._bucket(param)
+                per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
+        self.grad_sync.register_compiled(self._slot(p) for p in params)
+        return sorted(per_bucket.items())
+
+
+def compiled_forward(
+    graph: int, positions: Sequence[Sequence[int]], delivered: Sequence[Sequence[bool]], compiled: Callable[[list[Any]], Any]
+) -> Callable[[list[Any]], Any]:
+    """Wrap a compiled forward (boxed calling convention) so each run tells the owner of
+    each group of ``positions`` (one group per optimizer) which gradients its backward
+    will deliver."""
+    groups = [(tuple(group), tuple(flags)) for group, flags in zip(positions, delivered) if group]
+
+    def run(args: list[Any]) -> Any:
+        for group, flags in groups:
+            binding_of(args[group[0]]).forward_ran(graph, args, group, flags)
+        return compiled(args)
+
+    run._boxed_call = True  # type: ignore[attr-defined]
+    return run
