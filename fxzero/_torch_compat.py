@@ -8,11 +8,12 @@ replace it if torch moved or removed it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
+import torch.distributed as dist
 import torch.fx as fx
 
-__all__ = ["inductor_post_grad_pass"]
+__all__ = ["inductor_post_grad_pass", "process_group_store"]
 
 
 @contextlib.contextmanager
@@ -40,3 +41,18 @@ def inductor_post_grad_pass(fn: Callable[[fx.Graph], Any], uuid: bytes) -> Itera
     chained = (*get_custom_graph_passes(config.post_grad_custom_post_pass), _Pass())
     with config.patch(post_grad_custom_post_pass=chained):
         yield
+
+
+def process_group_store(group: Optional[dist.ProcessGroup]) -> dist.Store:
+    """The key-value store the ranks of ``group`` (``None``: the default group) share.
+
+    What for: the checkpoint handshake (:mod:`fxzero.runtime.checkpoint_ranks`) meets the
+    other ranks without a collective, with its own short timeout, under gloo and NCCL alike.
+    Uses ``torch.distributed.distributed_c10d._get_process_group_store`` (the store that
+    ``init_process_group`` / ``new_group`` recorded for the group, already prefixed per
+    group). If torch moves it: keep the store the job passed to ``init_process_group``, or
+    meet through ``dist.monitored_barrier`` on a gloo group (which has its own timeout).
+    """
+    from torch.distributed.distributed_c10d import _get_process_group_store
+
+    return _get_process_group_store(group if group is not None else dist.group.WORLD)
