@@ -328,6 +328,8 @@ def test_arguments_of_the_wrong_type_are_clear_errors() -> None:
         quantize(torch.randn(64), out=codes)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="quantize: out scales must be a torch.Tensor, got NoneType"):
         quantize(torch.randn(64), out=(codes, None))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dequantize: codes are on meta but scales on cpu; use one device"):
+        dequantize(codes.to("meta"), scales)
     assert torch.equal(dequantize(codes, scales, dtype=torch.float64), dequantize(codes, scales).double())
 
 
