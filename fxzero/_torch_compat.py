@@ -12,6 +12,7 @@ import re
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "inductor_partition",
     "inductor_post_grad_pass",
     "inductor_pre_grad_passes",
+    "process_group_store",
     "profiler_enabled",
     "queue_end_of_backward",
     "register_ordered_effect",
@@ -195,6 +197,22 @@ def profiler_enabled() -> bool:
     """Whether a ``torch.profiler`` is recording. ``torch._C._autograd._profiler_enabled``;
     if gone: ``torch.autograd.profiler._is_profiler_enabled``."""
     return torch._C._autograd._profiler_enabled()
+
+
+# ---- distributed ----------------------------------------------------------------------------
+def process_group_store(group: Optional[dist.ProcessGroup]) -> dist.Store:
+    """The key-value store the ranks of ``group`` (``None``: the default group) share.
+
+    What for: the checkpoint handshake (:mod:`fxzero.checkpoint.ranks`) meets the other
+    ranks without a collective, with its own short timeout, under gloo and NCCL alike.
+    Uses ``torch.distributed.distributed_c10d._get_process_group_store`` (the store that
+    ``init_process_group`` / ``new_group`` recorded for the group, already prefixed per
+    group). If torch moves it: keep the store the job passed to ``init_process_group``, or
+    meet through ``dist.monitored_barrier`` on a gloo group (which has its own timeout).
+    """
+    from torch.distributed.distributed_c10d import _get_process_group_store
+
+    return _get_process_group_store(group if group is not None else dist.group.WORLD)
 
 
 # ---- multi-tensor kernels -----------------------------------------------------------------

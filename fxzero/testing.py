@@ -10,7 +10,10 @@ Failure behaviour, which is the point of a harness:
   traceback (other ranks blocked in a collective with it are then killed);
 * if any rank does not answer within ``timeout`` seconds (a hung collective), the pool
   is killed and :class:`RankTimeout` names the ranks that were still running;
-* a pool that failed is closed; :func:`get_pool` makes a fresh one next time.
+* a pool that failed is closed; :func:`get_pool` makes a fresh one next time;
+* a function, argument or result that cannot be pickled is reported at once (the task is
+  pickled in the caller before anything is sent, each result on its rank), not as a timeout:
+  a queue's feeder thread would only print the pickling error and drop the message.
 
 The process group is created with a short timeout too, so a rank stuck in a
 collective also raises on its own.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import datetime
 import faulthandler
+import pickle
 import queue
 import sys
 import time
@@ -29,6 +33,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler  # the pickler mp queues use (torch adds its tensor sharing)
 
 __all__ = ["RankError", "RankPool", "RankTimeout", "close_pools", "get_pool", "run_ranks"]
 
@@ -49,16 +54,42 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: A
     dist.init_process_group(
         "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
     )
-    results.put((rank, True, "ready"))
-    while (item := tasks.get()) is not None:
-        fn, args, kwargs = item
-        try:
-            results.put((rank, True, fn(*args, **kwargs)))
-        except BaseException:  # noqa: BLE001 - the traceback is the message
-            results.put((rank, False, traceback.format_exc()))
+    results.put((rank, True, _dumps("ready")))
+    while (payload := tasks.get()) is not None:
+        results.put((rank, *_run_task(payload)))
         if "torch._dynamo" in sys.modules:  # compiled code must not leak into the next function
             torch._dynamo.reset()
     dist.destroy_process_group()
+
+
+def _dumps(obj: Any) -> bytes:
+    return bytes(ForkingPickler.dumps(obj))
+
+
+def _run_task(payload: bytes) -> tuple[bool, Any]:
+    """``(True, pickled result)`` or ``(False, traceback text)``; never raises, so the rank
+    answers whatever goes wrong (unpickling the task, the function, pickling its result)."""
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+    except BaseException:  # noqa: BLE001 - the traceback is the message
+        return False, "the task could not be unpickled on this rank:\n" + traceback.format_exc()
+    try:
+        value = fn(*args, **kwargs)
+    except BaseException:  # noqa: BLE001 - the traceback is the message
+        return False, traceback.format_exc()
+    try:
+        return True, _dumps(value)
+    except BaseException:  # noqa: BLE001 - the traceback is the message
+        what = getattr(fn, "__qualname__", repr(fn))
+        return False, f"{what} returned a {type(value).__name__} that cannot be pickled:\n" + traceback.format_exc()
+
+
+def _loads(payload: bytes) -> tuple[bool, Any]:
+    """A rank's pickled result, or ``(False, why)`` if it cannot be unpickled here."""
+    try:
+        return True, pickle.loads(payload)
+    except Exception:  # noqa: BLE001 - the traceback is the message
+        return False, "its result could not be unpickled in the caller:\n" + traceback.format_exc()
 
 
 class RankPool:
@@ -90,9 +121,17 @@ class RankPool:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
         if self.closed:
             raise RuntimeError("RankPool is closed")
-        for q in self._tasks:
-            q.put((fn, args, kwargs))
-        return self._collect(timeout, getattr(fn, "__qualname__", repr(fn)))
+        what = getattr(fn, "__qualname__", repr(fn))
+        try:  # once per rank: torch's tensor sharing hands each file descriptor out once
+            payloads = [_dumps((fn, args, kwargs)) for _ in self._tasks]
+        except Exception as err:  # noqa: BLE001 - pickle raises PicklingError, TypeError or AttributeError
+            raise TypeError(
+                f"run_ranks: cannot send {what} to the ranks, it does not pickle ({type(err).__name__}: {err}); "
+                "pass a module-level function and picklable arguments"
+            ) from err
+        for q, payload in zip(self._tasks, payloads):
+            q.put(payload)
+        return self._collect(timeout, what)
 
     def _collect(self, timeout: float, what: str) -> list[Any]:
         deadline = time.monotonic() + timeout
@@ -102,6 +141,7 @@ class RankPool:
         while len(values) + len(errors) < self.world_size and time.monotonic() < deadline:
             try:
                 rank, ok, value = self._results.get(timeout=0.2)
+                ok, value = _loads(value) if ok else (ok, value)
                 (values if ok else errors)[rank] = value
             except queue.Empty:  # drained: a rank that is not running any more has died
                 self._note_dead(values, errors)

@@ -190,8 +190,10 @@ def test_another_optimizer_class_is_named(tmp_path: Path) -> None:
         ("garbage_metadata", r"\.metadata (has|does not match)"),
         ("garbage_manifest", r"fxzero\.json is unreadable"),
         ("delete", r"__0_0\.distcp is missing"),
+        ("empty_file_list", r"is damaged: fxzero\.json lists no files"),
+        ("unlisted_file", r"is damaged: __0_0\.distcp is not in fxzero\.json's file list"),
     ],
-    ids=["truncate", "flip", "garbage_metadata", "garbage_manifest", "delete"],
+    ids=["truncate", "flip", "garbage_metadata", "garbage_manifest", "delete", "empty_file_list", "unlisted_file"],
 )
 def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: str, match: str) -> None:
     path = _trained_checkpoint(tmp_path)
@@ -206,6 +208,10 @@ def test_damaged_checkpoint_is_refused_naming_the_file(tmp_path: Path, damage: s
         (path / ".metadata").write_bytes(os.urandom(300))
     elif damage == "garbage_manifest":
         (path / "fxzero.json").write_text("{not json")
+    elif damage in ("empty_file_list", "unlisted_file"):  # a file list with nothing (or less) to check
+        manifest = json.loads((path / "fxzero.json").read_text())
+        manifest["files"] = {} if damage == "empty_file_list" else {k: v for k, v in manifest["files"].items() if k != data.name}
+        (path / "fxzero.json").write_text(json.dumps(manifest))
     else:
         data.unlink()
     _expect_refusal(path, "mlp", match)
@@ -300,13 +306,16 @@ def _second_save_loses_a_rank(ckpt_dir: str) -> None:
 
 def test_a_rank_killed_during_a_two_rank_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     """The survivor fails (it cannot finish the save's collectives without its peer) instead
-    of committing a half-written checkpoint; the previous one loads, here on one rank."""
+    of committing a half-written checkpoint, and removes the partial directory; the previous
+    one loads, here on one rank."""
     start = time.monotonic()
-    with pytest.raises(RankError, match=r"rank 1 process died \(exit code -9\)"):
+    with pytest.raises(RankError, match=r"rank 1 process died \(exit code -9\)") as info:
         run_ranks(2, _second_save_loses_a_rank, str(tmp_path), timeout=120)
     assert time.monotonic() - start < 60
+    assert re.search(r"CheckpointError: saving checkpoint .*step_0000003 failed \(nothing committed; step_0000003\.tmp-\w+ "
+                     r"removed\): writing the data: rank 0 of 2 lost its peers \(a rank probably died\)", str(info.value))
     assert not (tmp_path / "step_0000003").exists()
-    assert len(list(tmp_path.glob("step_0000003.tmp-*"))) == 1
+    assert list(tmp_path.glob("step_0000003.tmp-*")) == []
     latest = fxzero.latest_checkpoint(tmp_path)
     assert latest == tmp_path / "step_0000002"
     model, opt = _make("mlp", 2000, seed=1)
@@ -325,6 +334,24 @@ def test_latest_checkpoint_picks_the_highest_committed_step(tmp_path: Path) -> N
     with pytest.raises(fxzero.CheckpointError, match="use fxzero.latest_checkpoint"):
         model, opt = _make("mlp", 2000)
         fxzero.load_checkpoint(tmp_path, model, opt)
+
+
+def test_loading_when_there_is_no_checkpoint_says_so(tmp_path: Path) -> None:
+    """latest_checkpoint returns None for a directory without a committed checkpoint;
+    load_checkpoint(None) says there is nothing to load (not a TypeError about None)."""
+    (tmp_path / "step_0000003.tmp-abc").mkdir()  # a save that never committed
+    model, opt = _make("mlp", 2000)
+    before = _snapshot(model, opt)
+    assert fxzero.latest_checkpoint(tmp_path) is None
+    with pytest.raises(fxzero.CheckpointError, match=r"path is None, so there is no checkpoint to load\. "
+                       r"fxzero\.latest_checkpoint\(ckpt_dir\) returns None when ckpt_dir holds no committed checkpoint"):
+        fxzero.load_checkpoint(fxzero.latest_checkpoint(tmp_path), model, opt)
+    with pytest.raises(fxzero.CheckpointError, match=f"checkpoint {re.escape(str(tmp_path / 'gone'))} does not exist"):
+        fxzero.load_checkpoint(tmp_path / "gone", model, opt)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(fxzero.CheckpointError, match="empty is not a committed fxzero checkpoint: no fxzero.json, and it holds no checkpoint either"):
+        fxzero.load_checkpoint(tmp_path / "empty", model, opt)
+    _assert_same(before, _snapshot(model, opt))
 
 
 # ---- a dead or silent peer: a clear error within the timeout, not a hang ------------

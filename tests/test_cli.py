@@ -71,6 +71,10 @@ def test_cli_errors_name_the_bad_argument(tmp_path: Path, capsys: pytest.Capture
     target.write_text(_TARGETS)
     missing = tmp_path / "missing.py"
     assert _error([str(missing)], capsys).endswith(f"TARGET file {str(missing)!r} does not exist")
+    assert _error([str(tmp_path)], capsys).endswith(
+        f"TARGET {str(tmp_path)!r} is a directory; TARGET must be a Python file (path/to/file.py[:function]) "
+        "or an importable module (package.module[:function])"
+    )
     assert _error(["no_such_module_xyz"], capsys).endswith(
         "TARGET module 'no_such_module_xyz' not found (give a .py path or an importable module)"
     )

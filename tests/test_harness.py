@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fxzero.testing import RankError, RankPool, RankTimeout, run_ranks
+from fxzero.testing import RankError, RankPool, RankTimeout, get_pool, run_ranks
 
 
 def _ranks_and_sum() -> tuple[int, int, float]:
@@ -50,3 +50,29 @@ def test_a_hung_collective_fails_within_the_timeout() -> None:
         pool.run(_hang_on_rank_zero, timeout=3)
     assert time.monotonic() - start < 15
     assert pool.closed
+
+
+def _returns_a_lock() -> object:
+    import threading
+
+    return threading.Lock()
+
+
+def test_an_unpicklable_function_or_argument_is_reported_at_once() -> None:
+    """Not a timeout: the caller pickles the task before sending it (and a rank its result, below)."""
+    get_pool(2)  # started before the clock starts
+    start = time.monotonic()
+    with pytest.raises(TypeError, match=r"run_ranks: cannot send .*<lambda> to the ranks, it does not pickle"):
+        run_ranks(2, lambda: 1, timeout=20)
+    with pytest.raises(TypeError, match="cannot send _ranks_and_sum .*does not pickle.*lock"):
+        run_ranks(2, _ranks_and_sum, __import__("threading").Lock(), timeout=20)
+    assert time.monotonic() - start < 2
+    assert run_ranks(2, _ranks_and_sum)[1][2] == 3.0  # nothing was sent: the pool still works
+
+
+def test_an_unpicklable_result_is_reported_at_once() -> None:
+    get_pool(2)
+    start = time.monotonic()
+    with pytest.raises(RankError, match=r"rank\(s\) \[0, 1\] of 2(.|\n)*_returns_a_lock returned a lock that cannot be pickled"):
+        run_ranks(2, _returns_a_lock, timeout=20)
+    assert time.monotonic() - start < 10

@@ -312,6 +312,27 @@ def test_bad_out_dtypes_and_shapes_are_clear_errors() -> None:
         dequantize(codes, torch.zeros(5, dtype=torch.float8_e8m0fnu))
 
 
+def test_arguments_of_the_wrong_type_are_clear_errors() -> None:
+    codes, scales = quantize(torch.randn(64))
+    with pytest.raises(TypeError, match=r"dequantize: dtype must be a floating torch\.dtype \(e\.g\. torch\.float32\), got 'float32'"):
+        dequantize(codes, scales, dtype="float32")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"dequantize: dtype must be a floating torch\.dtype .*got torch\.int32"):
+        dequantize(codes, scales, dtype=torch.int32)
+    with pytest.raises(TypeError, match="dequantize: codes must be a torch.Tensor, got str"):
+        dequantize("codes", scales)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="dequantize: scales must be a torch.Tensor, got list"):
+        dequantize(codes, [1.0, 2.0])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="quantize: x must be a torch.Tensor, got list"):
+        quantize([1.0] * 32)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"quantize: out must be a pair \(codes, scales\) of tensors, got Tensor"):
+        quantize(torch.randn(64), out=codes)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="quantize: out scales must be a torch.Tensor, got NoneType"):
+        quantize(torch.randn(64), out=(codes, None))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="dequantize: codes are on meta but scales on cpu; use one device"):
+        dequantize(codes.to("meta"), scales)
+    assert torch.equal(dequantize(codes, scales, dtype=torch.float64), dequantize(codes, scales).double())
+
+
 def test_out_views_may_have_any_shape_with_the_right_numel() -> None:
     x = random_blocks(9, (4, 64), torch.bfloat16)
     out = (torch.empty(2, 128, dtype=torch.float8_e4m3fn), torch.empty(8, dtype=torch.float8_e8m0fnu))

@@ -52,6 +52,18 @@ def test_frozen_param_is_an_error_naming_it() -> None:
         fxzero.DistributedOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1)
 
 
+def test_meta_params_are_refused_naming_the_fix_and_materialized_ones_train() -> None:
+    with torch.device("meta"):
+        model = small_model()
+    with pytest.raises(ValueError, match=r"param '0\.weight' \(shape \(16, 8\)\) is on the meta device.*to_empty"):
+        fxzero.DistributedOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1, module=model)
+    model.to_empty(device="cpu")
+    for layer in (model[0], model[2]):
+        layer.reset_parameters()
+    opt = fxzero.DistributedOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1, module=model)
+    assert train_step(model, opt, 0) > train_step(model, opt, 0)
+
+
 def test_unknown_optimizer_kwarg_and_group_key_are_errors() -> None:
     model = small_model()
     with pytest.raises(TypeError, match="AdamW rejected keyword arguments .*'betass'"):

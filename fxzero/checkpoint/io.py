@@ -12,7 +12,13 @@ of whatever pieces were saved.
 DCP's ``.metadata`` are written, rank 0 writes the manifest ``fxzero.json`` (step, extra,
 optimizer class, param groups, and the size and SHA-256 of every file) and renames the
 directory to ``step_XXXXXXX``. The rename is the commit: a job killed at any earlier point
-leaves only a ``.tmp-`` directory, which :func:`latest_checkpoint` ignores.
+leaves only a ``.tmp-`` directory, which :func:`latest_checkpoint` ignores. A save that
+fails (a full disk, a path that is a file) raises :class:`CheckpointError` on every rank
+and removes its ``.tmp-`` directory.
+
+**Collective.** Every rank calls save and load, at the same point and with the same step or
+checkpoint: a rank missing for ``arrival_timeout`` seconds, or calling something else, is an
+error on every rank that came (:mod:`fxzero.checkpoint.ranks`), not a hang.
 
 **Checked before anything changes.** A load verifies every file against the manifest (the
 ranks split the hashing), compares the checkpoint with the live model and optimizer (param
@@ -23,20 +29,20 @@ problem raises :class:`CheckpointError` naming what differs, on every rank alike
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import shutil
 import uuid
 import warnings
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .state import (
@@ -52,44 +58,23 @@ from .state import (
     save_state,
     slot_names,
 )
-from ..optim.comm import DataParallelGroup
 from ..optim.optimizer import DistributedOptimizer
+from .ranks import CheckpointRanks
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
 FORMAT = "fxzero.checkpoint/1"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 _MANIFEST_KEYS = {"step", "extra", "optimizer_class", "saved_world_size", "param_groups", "state", "files"}
+_FILE_KEYS = {"bytes", "sha256"}
 
 log = logging.getLogger(__name__)
 
 PathLike = Union[str, os.PathLike]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Ranks:
-    """The optimizer's group, for the few small object collectives a checkpoint needs
-    (none at world size 1, where ``torch.distributed`` may not even be initialized)."""
-
-    dp: DataParallelGroup
-
-    def all_gather(self, obj: Any) -> list[Any]:
-        if self.dp.size == 1:
-            return [obj]
-        out: list[Any] = [None] * self.dp.size
-        dist.all_gather_object(out, obj, group=self.dp.group)
-        return out
-
-    def broadcast(self, obj: Any) -> Any:
-        """Rank 0's ``obj`` on every rank."""
-        if self.dp.size == 1:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, group=self.dp.group, group_src=0)
-        return box[0]
-
-    def dcp_kwargs(self) -> dict[str, Any]:
-        return {"process_group": self.dp.group, "no_dist": self.dp.size == 1}
+ARRIVAL_TIMEOUT = 30.0
+"""Seconds save_checkpoint/load_checkpoint wait for every rank to call them (:mod:`.ranks`)."""
 
 
 def save_checkpoint(
@@ -99,67 +84,72 @@ def save_checkpoint(
     *,
     step: int,
     extra: Optional[dict[str, Any]] = None,
+    arrival_timeout: float = ARRIVAL_TIMEOUT,
 ) -> Path:
     """Save ``model`` and ``optimizer`` as ``ckpt_dir/step_XXXXXXX`` (called on every rank).
 
     ``extra`` is JSON-serializable user data (say, the data loader's position), returned by
-    :func:`load_checkpoint`. Returns the checkpoint's path once it is committed.
+    :func:`load_checkpoint`. Returns the checkpoint's path once it is committed. Every rank
+    must call it within ``arrival_timeout`` seconds of the others, with the same ``step``.
+    A failure on any rank (disk full, a path that is a file) raises :class:`CheckpointError`
+    on every rank and removes the partial ``.tmp-`` directory.
     """
-    _check_args(optimizer, step, extra)
-    ranks = _Ranks(optimizer.dp)
+    _check_args(optimizer, step, extra, arrival_timeout)
+    ranks = CheckpointRanks(optimizer.dp)
+    ranks.handshake(f"save_checkpoint(step={step})", arrival_timeout)
     optimizer.finish_param_sync()
-    names = slot_names(model, optimizer)
-    state, spec = save_state(model, optimizer, names)
+    names, state, spec, groups = ranks.together("collecting the state to save", lambda: _collect(model, optimizer))
     manifest = {
         "format": FORMAT,
         "step": step,
         "extra": extra or {},
         "optimizer_class": f"{optimizer.optimizer_class.__module__}.{optimizer.optimizer_class.__qualname__}",
         "saved_world_size": optimizer.dp.size,
-        "param_groups": group_records(optimizer, names),
+        "param_groups": groups,
         "state": _merge(ranks.all_gather(spec)),
     }
     final = Path(ckpt_dir) / f"step_{step:07d}"
     tmp = Path(ranks.broadcast(f"{final}.tmp-{uuid.uuid4().hex[:12]}"))
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkSavePlanner(), **ranks.dcp_kwargs())
-    manifest["files"] = _merge(ranks.all_gather(_describe_files(_my_share(tmp, ranks))))
-    failure = None
-    if ranks.dp.rank == 0:
-        try:
-            _commit(tmp, final, manifest)
-        except Exception as err:  # noqa: BLE001 - every rank must hear of it, or they would wait forever
-            failure = f"committing {tmp} as {final} failed: {err!r}"
-    if (failure := ranks.broadcast(failure)) is not None:
-        raise CheckpointError(failure)
+    try:
+        _write(tmp, final, state, manifest, ranks)
+    except CheckpointError as err:
+        shutil.rmtree(tmp, ignore_errors=True)  # on every rank: one may not see the others' disk
+        raise CheckpointError(f"saving checkpoint {final} failed (nothing committed; {tmp.name} removed): {err}") from err
     log.info("saved checkpoint %s", final)
     return final
 
 
-def load_checkpoint(path: PathLike, model: torch.nn.Module, optimizer: DistributedOptimizer) -> dict[str, Any]:
+def load_checkpoint(
+    path: Optional[PathLike],
+    model: torch.nn.Module,
+    optimizer: DistributedOptimizer,
+    *,
+    arrival_timeout: float = ARRIVAL_TIMEOUT,
+) -> dict[str, Any]:
     """Load a checkpoint saved at any world size into ``model`` and ``optimizer`` (called
-    on every rank). Returns ``{"step", "extra", "path"}``. On any mismatch or damage it
-    raises :class:`CheckpointError` and leaves the model and optimizer as they were."""
-    if not isinstance(optimizer, DistributedOptimizer):
-        raise TypeError(f"optimizer must be a fxzero.DistributedOptimizer, got {type(optimizer).__name__}")
-    path, ranks = Path(path), _Ranks(optimizer.dp)
-    manifest = _read_manifest(path)
+    on every rank, within ``arrival_timeout`` seconds of each other, with the same
+    checkpoint). Returns ``{"step", "extra", "path"}``. On any mismatch or damage it
+    raises :class:`CheckpointError` and leaves the model and optimizer as they were;
+    ``path=None`` (what :func:`latest_checkpoint` returns when there is no checkpoint)
+    raises it too, saying there is nothing to load."""
+    _check_optimizer(optimizer)
+    _check_timeout(arrival_timeout)
+    ranks = CheckpointRanks(optimizer.dp)
+    ranks.handshake(f"load_checkpoint({None if path is None else Path(path).name!r})", arrival_timeout)
+    if path is None:
+        raise CheckpointError(
+            "load_checkpoint: path is None, so there is no checkpoint to load. fxzero.latest_checkpoint(ckpt_dir) "
+            "returns None when ckpt_dir holds no committed checkpoint: test for None and start from scratch"
+        )
+    path = Path(path)
+    manifest = ranks.together(f"reading {path / MANIFEST}", lambda: _read_manifest(path))
     _verify_files(path, manifest["files"], ranks)
-    try:
-        metadata = dcp.FileSystemReader(path).read_metadata()
-    except Exception as err:  # noqa: BLE001 - any unpickling failure means the same thing
-        raise CheckpointError(f"checkpoint {path}: DCP metadata is unreadable: {err}") from err
+    metadata = ranks.together(f"checkpoint {path}: reading DCP's metadata", dcp.FileSystemReader(path).read_metadata)
     optimizer.finish_param_sync()
     names = slot_names(model, optimizer)
     check_compatible(manifest, metadata, model, optimizer, names)
     targets = load_targets(model, optimizer, names, manifest["state"], metadata)
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(targets, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(), **ranks.dcp_kwargs())
-    except Exception as err:  # noqa: BLE001 - DCP wraps every rank's failure in CheckpointException
-        raise CheckpointError(f"checkpoint {path}: reading the data failed: {err}") from err
+    ranks.together(f"checkpoint {path}: reading the data", lambda: _dcp_load(path, targets, ranks))
     apply_loaded(targets, model, optimizer, names, manifest["state"])
     apply_hyperparameters(optimizer, manifest["param_groups"])
     log.info("loaded checkpoint %s (step %d, saved on %d ranks)", path, manifest["step"], manifest["saved_world_size"])
@@ -167,8 +157,9 @@ def load_checkpoint(path: PathLike, model: torch.nn.Module, optimizer: Distribut
 
 
 def latest_checkpoint(ckpt_dir: PathLike) -> Optional[Path]:
-    """The committed checkpoint with the highest step under ``ckpt_dir`` (``None`` if there
-    is none). Directories of saves that never committed (``.tmp-``) are ignored."""
+    """The committed checkpoint with the highest step under ``ckpt_dir``, or ``None`` if
+    there is none (or no ``ckpt_dir``): test for ``None`` to start from scratch. Directories
+    of saves that never committed (``.tmp-``) are ignored."""
     root = Path(ckpt_dir)
     if not root.is_dir():
         return None
@@ -180,10 +171,56 @@ def latest_checkpoint(ckpt_dir: PathLike) -> Optional[Path]:
     return max(steps)[1] if steps else None
 
 
+# ---- the phases of a save and a load -------------------------------------------------------
+def _collect(model: torch.nn.Module, optimizer: DistributedOptimizer) -> tuple[list[str], dict, dict, list]:
+    """What this rank saves: its DCP state dict, the kinds of its state entries, the groups."""
+    names = slot_names(model, optimizer)
+    state, spec = save_state(model, optimizer, names)
+    return names, state, spec, group_records(optimizer, names)
+
+
+def _write(tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any], ranks: CheckpointRanks) -> None:
+    """Every rank writes its data into ``tmp``, hashes its share of the files; rank 0
+    commits. Each step is agreed on, so a failure anywhere raises on every rank."""
+
+    def save() -> None:
+        with _quiet_at_world_one():
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkSavePlanner(), **ranks.dcp_kwargs())
+
+    ranks.together("writing the data", save)
+    files = ranks.together("hashing the files", lambda: _describe_files(_my_share(tmp, ranks)))
+    manifest["files"] = _merge(ranks.all_gather(files))
+    ranks.together(f"renaming it to {final.name}", lambda: _commit(tmp, final, manifest) if ranks.dp.rank == 0 else None)
+
+
+def _dcp_load(path: Path, targets: dict[str, Any], ranks: CheckpointRanks) -> None:
+    with _quiet_at_world_one():
+        dcp.load(targets, storage_reader=dcp.FileSystemReader(path), planner=ChunkLoadPlanner(), **ranks.dcp_kwargs())
+
+
+@contextlib.contextmanager
+def _quiet_at_world_one() -> Iterator[None]:
+    """DCP warns that torch.distributed is disabled when it runs without a process group (world 1)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
 # ---- helpers ------------------------------------------------------------------------------
-def _check_args(optimizer: Any, step: Any, extra: Any) -> None:
+def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, DistributedOptimizer):
         raise TypeError(f"optimizer must be a fxzero.DistributedOptimizer, got {type(optimizer).__name__}")
+
+
+def _check_timeout(arrival_timeout: Any) -> None:
+    number = isinstance(arrival_timeout, (int, float)) and not isinstance(arrival_timeout, bool)
+    if not (number and math.isfinite(arrival_timeout) and arrival_timeout > 0):
+        raise ValueError(f"arrival_timeout must be a finite number of seconds > 0, got {arrival_timeout!r}")
+
+
+def _check_args(optimizer: Any, step: Any, extra: Any, arrival_timeout: Any) -> None:
+    _check_optimizer(optimizer)
+    _check_timeout(arrival_timeout)
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise ValueError(f"save_checkpoint: step must be an int >= 0, got {step!r}")
     try:
@@ -203,7 +240,7 @@ def _merge(per_rank: Sequence[dict[str, dict[str, Any]]]) -> dict[str, dict[str,
     return merged
 
 
-def _my_share(directory: Path, ranks: _Ranks) -> list[Path]:
+def _my_share(directory: Path, ranks: CheckpointRanks) -> list[Path]:
     """This rank's share of the directory's files (the ranks split the hashing)."""
     files = sorted(p for p in directory.iterdir() if p.is_file() and p.name != MANIFEST)
     return files[ranks.dp.rank :: ranks.dp.size]
@@ -252,8 +289,7 @@ def _fsync(directory: Path) -> None:
 def _read_manifest(path: Path) -> dict[str, Any]:
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
-        hint = " (it is a directory of checkpoints: use fxzero.latest_checkpoint)" if any(path.glob("step_*")) else ""
-        raise CheckpointError(f"{path} is not a committed fxzero checkpoint: no {MANIFEST}{hint}")
+        raise CheckpointError(_not_a_checkpoint(path))
     try:
         manifest = json.loads(manifest_path.read_text())
     except (OSError, ValueError) as err:
@@ -262,22 +298,47 @@ def _read_manifest(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a {FORMAT} manifest")
     if missing := sorted(_MANIFEST_KEYS - set(manifest)):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} lacks {missing}")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not files:  # nothing to check would pass every check
+        raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} lists no files (a save lists all it wrote)")
+    if bad := sorted(name for name, entry in files.items() if not (isinstance(entry, dict) and _FILE_KEYS <= set(entry))):
+        raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} has no size and SHA-256 for {bad}")
     return manifest
 
 
-def _verify_files(path: Path, expected: dict[str, dict[str, Any]], ranks: _Ranks) -> None:
-    """Every file the manifest lists must be there with its size and SHA-256: DCP itself
-    would load a flipped byte silently. Every rank learns every problem, so all raise."""
-    names = sorted(expected)[ranks.dp.rank :: ranks.dp.size]
-    problems = []
-    for name in names:
-        file, want = path / name, expected[name]
-        if not file.is_file():
-            problems.append(f"{name} is missing")
-        elif (size := file.stat().st_size) != want["bytes"]:
-            problems.append(f"{name} has {size:,} bytes, the manifest says {want['bytes']:,} (truncated?)")
-        elif _sha256(file) != want["sha256"]:
-            problems.append(f"{name} does not match its SHA-256 in the manifest (corrupted)")
+def _not_a_checkpoint(path: Path) -> str:
+    if not path.exists():
+        return f"checkpoint {path} does not exist"
+    if any(path.glob("step_*")):
+        return f"{path} is not a committed fxzero checkpoint: no {MANIFEST} (it is a directory of checkpoints: use fxzero.latest_checkpoint)"
+    return f"{path} is not a committed fxzero checkpoint: no {MANIFEST}, and it holds no checkpoint either"
+
+
+def _verify_files(path: Path, expected: dict[str, dict[str, Any]], ranks: CheckpointRanks) -> None:
+    """Every file the manifest lists must be there with its size and SHA-256 (DCP itself
+    would load a flipped byte silently), and every DCP file there must be listed. Every
+    rank learns every problem, so all raise."""
+    problems = _unlisted(path, expected) if ranks.dp.rank == 0 else []
+    for name in sorted(expected)[ranks.dp.rank :: ranks.dp.size]:
+        try:
+            problems += _file_problem(path / name, name, expected[name])
+        except OSError as err:
+            problems.append(f"{name} cannot be read: {err}")
     problems = [p for part in ranks.all_gather(problems) for p in part]
     if problems:
         raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(sorted(problems)))
+
+
+def _unlisted(path: Path, expected: dict[str, Any]) -> list[str]:
+    dcp_files = sorted(p.name for p in path.iterdir() if p.name == ".metadata" or p.suffix == ".distcp")
+    return [f"{name} is not in {MANIFEST}'s file list" for name in dcp_files if name not in expected]
+
+
+def _file_problem(file: Path, name: str, want: dict[str, Any]) -> list[str]:
+    if not file.is_file():
+        return [f"{name} is missing"]
+    if (size := file.stat().st_size) != want["bytes"]:
+        return [f"{name} has {size:,} bytes, the manifest says {want['bytes']:,} (truncated?)"]
+    if _sha256(file) != want["sha256"]:
+        return [f"{name} does not match its SHA-256 in the manifest (corrupted)"]
+    return []

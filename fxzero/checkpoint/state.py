@@ -71,7 +71,8 @@ SHARDED, TENSOR = "sharded", "tensor"
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be saved or loaded as asked: it does not match the model or
-    optimizer, or it is incomplete or corrupt. Raised before anything live is changed."""
+    optimizer, it is incomplete or corrupt, writing it failed (a full disk), or the ranks
+    did not all make the same call. Raised on every rank, before anything live is changed."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -45,6 +45,11 @@ class TargetError(ValueError):
 
 
 def _import_file(path: Path) -> Any:
+    if path.is_dir():
+        raise TargetError(
+            f"TARGET {str(path)!r} is a directory; TARGET must be a Python file (path/to/file.py[:function]) "
+            "or an importable module (package.module[:function])"
+        )
     if not path.is_file():
         raise TargetError(f"TARGET file {str(path)!r} does not exist")
     sys.path.insert(0, str(path.resolve().parent))  # so the file's own imports resolve

@@ -64,6 +64,7 @@ def quantize(
     before the cast) and a few tensors of ``x.numel() // 32`` elements (block amax,
     exponents, NaN mask); plus a copy of ``x`` if ``x`` is not contiguous.
     """
+    _check_tensor("quantize", "x", x)
     nblocks = _check_numel(x)
     if x.dtype not in _INPUT_DTYPES:
         raise TypeError(f"mxfp8.quantize: x must be one of {_INPUT_DTYPES}, got {x.dtype}")
@@ -71,7 +72,11 @@ def quantize(
         codes = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
         scales = torch.empty(nblocks, dtype=torch.float8_e8m0fnu, device=x.device)
     else:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError(f"mxfp8.quantize: out must be a pair (codes, scales) of tensors, got {type(out).__name__}")
         codes, scales = out
+        _check_tensor("quantize", "out codes", codes)
+        _check_tensor("quantize", "out scales", scales)
         _check_out(x, codes, scales, nblocks)
     blocks = x.reshape(nblocks, BLOCK_SIZE)
     divisor = _write_scales(blocks, scales.view(torch.uint8).view(nblocks))
@@ -88,18 +93,22 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = t
     for ``dtype=torch.float64``) and rounded once to ``dtype``; a NaN scale (byte 255)
     makes its whole block NaN.
     """
+    _check_tensor("dequantize", "codes", codes)
+    _check_tensor("dequantize", "scales", scales)
     if codes.dtype != torch.float8_e4m3fn or scales.dtype != torch.float8_e8m0fnu:
         raise TypeError(
             "mxfp8.dequantize: expected float8_e4m3fn codes and float8_e8m0fnu scales, "
             f"got {codes.dtype} and {scales.dtype}"
         )
-    if not dtype.is_floating_point:
-        raise TypeError(f"mxfp8.dequantize: dtype must be a floating dtype, got {dtype}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"mxfp8.dequantize: dtype must be a floating torch.dtype (e.g. torch.float32), got {dtype!r}")
     nblocks = _check_numel(codes)
     if scales.numel() != nblocks:
         raise ValueError(
             f"mxfp8.dequantize: codes numel {codes.numel()} needs {nblocks} scales, got {scales.numel()}"
         )
+    if scales.device != codes.device:
+        raise ValueError(f"mxfp8.dequantize: codes are on {codes.device} but scales on {scales.device}; use one device")
     work = torch.promote_types(dtype, torch.float32)
     biased = scales.reshape(nblocks).view(torch.uint8)
     scale = torch.exp2(biased.to(work) - 127).masked_fill_(biased == _E8M0_NAN, float("nan"))
@@ -119,6 +128,11 @@ def _write_scales(blocks: torch.Tensor, scale_bytes: torch.Tensor) -> torch.Tens
     biased.sub_(_E4M3_MAX_POW2).clamp_(min=0).masked_fill_(amax.isnan(), _E8M0_NAN)
     scale_bytes.copy_(biased)
     return biased.bitwise_left_shift_(23).view(torch.float32).clamp_(min=_F32_MIN_NORMAL)
+
+
+def _check_tensor(function: str, name: str, value: object) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"mxfp8.{function}: {name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def _check_numel(t: torch.Tensor) -> int:

@@ -61,6 +61,12 @@ def _check_param(param: torch.Tensor, where: str, device: torch.device) -> None:
         raise ValueError(f"{where} has dtype {param.dtype}; only floating-point params can be optimized")
     if param.is_sparse or param.layout != torch.strided:
         raise ValueError(f"{where} has layout {param.layout}; only dense (strided) params are supported")
+    if param.is_meta:
+        raise ValueError(
+            f"{where} is on the meta device (it has a shape but no data); materialize the model first, "
+            "e.g. model.to_empty(device=...) and then initialize its weights (reset_parameters() or your "
+            "init), and build the DistributedOptimizer after that"
+        )
     if param.device != device:
         raise ValueError(f"{where} is on {param.device} but other params are on {device}; use one device")
     owner = getattr(param, "_fxzero_owner", None)

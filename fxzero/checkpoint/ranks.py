@@ -1,0 +1,151 @@
+"""How the ranks of one checkpoint call agree: they all enter it, and they all fail alike.
+
+Saving and loading are collective (:mod:`fxzero.checkpoint.io`), which makes two
+mistakes hang instead of fail:
+
+* **a call on some ranks only** (``if rank == 0: save_checkpoint(...)``), or with other
+  arguments: the ranks that called it block in its first collective until the process
+  group's timeout (minutes), and the errors then blame a dead peer.
+  :meth:`CheckpointRanks.handshake` meets the other ranks through the group's key-value
+  store first (no collective, so the path does not depend on the backend; tested on gloo)
+  and raises on every rank that arrived within ``timeout`` seconds, naming the ranks that
+  did not come or what each rank called. After a timeout the ranks' later calls no longer
+  pair up (each rank counts its own): the job should stop;
+* **a failure on one rank** (its disk is full): the others would wait for it in the next
+  collective. :meth:`CheckpointRanks.together` runs a step on every rank, then gathers every
+  rank's failure, so all of them raise the same :class:`CheckpointError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from typing import Any, Callable, Optional, TypeVar
+
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from .._torch_compat import process_group_store
+from ..optim.comm import DataParallelGroup
+from .state import CheckpointError
+
+__all__ = ["CheckpointRanks"]
+
+T = TypeVar("T")
+_KEYS = "fxzero/checkpoint"
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRanks:
+    """The optimizer's group, for the few small collectives a checkpoint needs (none at
+    world size 1, where ``torch.distributed`` may not even be initialized)."""
+
+    dp: DataParallelGroup
+
+    def all_gather(self, obj: Any) -> list[Any]:
+        if self.dp.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.dp.size
+        dist.all_gather_object(out, obj, group=self.dp.group)
+        return out
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's ``obj`` on every rank."""
+        if self.dp.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, group=self.dp.group, group_src=0)
+        return box[0]
+
+    def dcp_kwargs(self) -> dict[str, Any]:
+        return {"process_group": self.dp.group, "no_dist": self.dp.size == 1}
+
+    def together(self, what: str, fn: Callable[[], T]) -> T:
+        """``fn()`` on every rank; if it raised on any rank, every rank raises one
+        :class:`CheckpointError` with each failing rank's cause (a ``CheckpointError``'s
+        own message, or ``what`` and the exception; DCP's ``CheckpointException`` is a
+        ``BaseException`` that ``except Exception`` would miss, so it is caught here too)."""
+        result, failure, error = None, None, None
+        try:
+            result = fn()
+        except CheckpointError as err:
+            failure, error = str(err), err
+        except (Exception, CheckpointException) as err:  # noqa: BLE001 - every rank must hear of it
+            failure, error = f"{what} failed: {_cause(err)}", err
+        try:
+            failures = self.all_gather(failure)
+        except RuntimeError as err:  # a peer died: gloo/NCCL errors are RuntimeErrors
+            raise CheckpointError(
+                f"{what}: rank {self.dp.rank} of {self.dp.size} lost its peers (a rank probably died): {err}"
+            ) from (error or err)
+        if any(f is not None for f in failures):
+            raise CheckpointError(_combine(failures)) from error
+        return result  # type: ignore[return-value]
+
+    def handshake(self, call: str, timeout: float) -> None:
+        """Return once every rank of the group has called ``handshake`` with the same
+        ``call`` (``"save_checkpoint(step=5)"``); raise on every rank that arrived if one
+        called something else, or if some rank has not arrived within ``timeout`` seconds.
+
+        The n-th call of each rank meets the n-th call of the others (each rank counts its
+        own calls in the store). Each rank compares its ``call`` with rank 0's and reports a
+        difference before counting itself in, so when the last rank arrives everyone knows.
+        O(1) store operations per rank; the previous call's keys are deleted."""
+        if self.dp.size == 1:
+            return
+        store, rank = process_group_store(self.dp.group), self.dp.rank
+        generation = store.add(f"{_KEYS}/calls/{rank}", 1)
+        key, deadline = f"{_KEYS}/{generation}", time.monotonic() + timeout
+        store.set(f"{key}/{rank}", call)
+        self._wait(store, f"{key}/0", deadline, call, timeout)
+        first = store.get(f"{key}/0").decode()
+        if first != call:
+            store.append(f"{key}/differ", f"; rank {rank} called {call}")
+        if store.add(f"{key}/arrived", 1) == self.dp.size:
+            store.set(f"{key}/all", "")
+        self._wait(store, f"{key}/all", deadline, call, timeout)
+        if store.check([f"{key}/differ"]):
+            differ = store.get(f"{key}/differ").decode()
+            raise CheckpointError(
+                "save_checkpoint and load_checkpoint are collective: every rank of the optimizer's group must make "
+                f"the same call at the same point, but rank 0 called {first}{differ}"
+            )
+        self._forget(store, generation - 1)
+
+    def _wait(self, store: dist.Store, key: str, deadline: float, call: str, timeout: float) -> None:
+        try:
+            store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError as err:  # DistStoreError: the timeout
+            prefix = key.rsplit("/", 1)[0]
+            missing = [r for r in range(self.dp.size) if not store.check([f"{prefix}/{r}"])]
+            raise CheckpointError(
+                f"{call} on rank {self.dp.rank}: rank(s) {missing or 'of the group'} of {self.dp.size} did not call "
+                f"save_checkpoint/load_checkpoint within {timeout:g} s. Both are collective: every rank must call "
+                "them, at the same point of the program (a rank that does long work of its own first, such as an "
+                "evaluation on rank 0 only, needs a larger arrival_timeout)"
+            ) from err
+
+    def _forget(self, store: dist.Store, generation: int) -> None:
+        """Every rank has arrived at the next call, so no one reads ``generation``'s keys any more."""
+        if generation < 1:
+            return
+        key = f"{_KEYS}/{generation}"
+        store.delete_key(f"{key}/{self.dp.rank}")
+        if self.dp.rank == 0:
+            for name in ("arrived", "all", "differ"):
+                store.delete_key(f"{key}/{name}")
+
+
+def _cause(err: BaseException) -> str:
+    """The exception, or for DCP's ``CheckpointException`` the exception of each rank it wraps."""
+    if isinstance(err, CheckpointException):
+        return "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, (exc, _) in sorted(err.failures.items()))
+    return f"{type(err).__name__}: {err}"
+
+
+def _combine(failures: list[Optional[str]]) -> str:
+    """One message: the failure itself when every rank failed alike, else each rank's."""
+    if len(set(failures)) == 1:
+        return str(failures[0])
+    return "; ".join(f"rank {rank}: {failure}" for rank, failure in enumerate(failures) if failure is not None)
