@@ -10,9 +10,33 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Callable, Iterator
 
+import torch
 import torch.fx as fx
 
-__all__ = ["inductor_post_grad_pass"]
+__all__ = ["current_graph_task_id", "inductor_post_grad_pass", "will_engine_execute_node"]
+
+
+def current_graph_task_id() -> int:
+    """The id of the backward pass running on this thread, or -1 outside backward.
+
+    What for: telling one backward from the next (their first gradient settles which
+    compiled forwards they will deliver for) and whether an op runs inside the autograd
+    engine at all. Uses ``torch._C._current_graph_task_id``; if torch removes it, a
+    counter bumped by a callback queued on the engine at each backward's first gradient.
+    """
+    return torch._C._current_graph_task_id()
+
+
+def will_engine_execute_node(node: Any) -> bool:
+    """Whether the backward running now will execute autograd ``node``.
+
+    What for: a compiled forward whose backward this pass will not run (a validation
+    loss computed with grad enabled) must not keep its buckets waiting. Uses
+    ``torch._C._will_engine_execute_node`` (what ``torch.autograd.graph.register_multi_grad_hook``
+    uses); if torch removes it, a pre-hook on the node that marks it as run, checked at
+    the end of backward.
+    """
+    return torch._C._will_engine_execute_node(node)
 
 
 @contextlib.contextmanager

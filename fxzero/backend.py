@@ -7,8 +7,12 @@ by identity. Their gradients leave the backward graph through ``fxzero::grads_re
 launches (:mod:`fxzero.passes.bucket_reduce_scatter`) instead of autograd. Each run of
 the compiled forward tells the runtime how many gradients its backward will deliver
 per bucket, so a bucket whose params span several graphs and eager regions launches
-once, when its last gradient arrives. Graphs with no managed params compile exactly as
-plain ``torch.compile`` would.
+once, when its last gradient arrives; a forward whose backward never runs is taken out
+again (:mod:`fxzero.runtime.pending_forwards`). A managed param that has tensor hooks
+(``param.register_hook``) when its graph compiles keeps autograd's path in that graph's
+backward, so its hooks see the real gradient (the eager post-accumulate hook then
+moves it into ``main_grad``). Graphs with no managed params compile exactly as plain
+``torch.compile`` would.
 """
 
 from __future__ import annotations
@@ -113,7 +117,9 @@ class _CompiledGraph:
             self.managed.append(ManagedParam(position, self.owners.index(owner), bucket, slot))
             self.params[position] = value
         self.syncs: list[GradSync] = [owner.grad_sync for owner in self.owners]
-        self.forward_counts = self._counts((g.owner, g.bucket) for g in self.managed)
+        self.grad_managed = [g for g in self.managed if not _has_tensor_hooks(self.params[g.position], names, g.position)]
+        """Managed params whose gradients this graph's backward hands to fxzero."""
+        self.forward_counts = self._counts((g.owner, g.bucket) for g in self.grad_managed)
         self.dumper = GraphDumper(options.dump_dir, self.owners, self.managed, names)
 
     def _counts(self, keys: Any) -> list[tuple[GradSync, list[tuple[int, int]]]]:
@@ -125,11 +131,11 @@ class _CompiledGraph:
 
     def register_with_runtime(self) -> None:
         for owner, sync in enumerate(self.syncs):
-            sync.register_compiled(g.slot for g in self.managed if g.owner == owner)
+            sync.register_compiled(g.slot for g in self.grad_managed if g.owner == owner)
 
     def compile_forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = self._forward_passes("forward", gm, example_inputs)
-        return self._counting(_inner_compile(self.options, gm, example_inputs, is_backward=False))
+        return _inner_compile(self.options, gm, example_inputs, is_backward=False)
 
     def compile_inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = self._forward_passes("inference", gm, example_inputs)
@@ -157,7 +163,9 @@ class _CompiledGraph:
         gm = self.dumper.around(
             "backward",
             gm,
-            lambda g, observe: run_backward_passes(g, example_inputs, observe=observe, managed=self.managed, register=register),
+            lambda g, observe: run_backward_passes(
+                g, example_inputs, observe=observe, managed=self.grad_managed, register=register
+            ),
         )
         # Only gradients this graph really produces are expected from its forward runs.
         self.forward_counts = self._counts(
@@ -172,14 +180,41 @@ class _CompiledGraph:
             slots = torch.tensor([sync.slot_of[id(p)] for p in params], dtype=torch.int64)
         return GraphBucket(sync, launch.bucket, [p.main_grad for p in params], slots)
 
-    def _counting(self, compiled: Callable) -> Callable:
-        def run(args: list[Any]) -> Any:
-            for sync, counts in self.forward_counts:
-                sync.forward_ran(counts)
-            return compiled(args)
+    def counting(self, compiled: Callable) -> Callable:
+        """``compiled``, telling the runtime after each run how many gradients the
+        backward from its outputs will deliver (nothing when no output needs one)."""
 
-        run._boxed_call = True  # type: ignore[attr-defined]
+        def run(*args: Any) -> Any:
+            outputs = compiled(*args)
+            node = _backward_node(outputs)
+            if node is not None:
+                for sync, counts in self.forward_counts:
+                    sync.forward_ran(counts, node)
+            return outputs
+
         return run
+
+
+def _has_tensor_hooks(param: torch.Tensor, names: Sequence[str], position: int) -> bool:
+    if not param._backward_hooks:
+        return False
+    name = getattr(param, "_fxzero_name", None) or (names[position] if position < len(names) else f"input {position}")
+    log.info("param %s has tensor hooks: its gradient takes autograd's path so they see it", name)
+    return True
+
+
+def _backward_node(outputs: Any) -> Any:
+    """The compiled function's autograd node behind ``outputs`` (views of outputs are
+    regenerated outside it, so their ``grad_fn`` leads there), or ``None``."""
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+    nodes = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    frontier = nodes
+    for _ in range(4):
+        for node in frontier:
+            if node.name().startswith("CompiledFunction"):
+                return node
+        frontier = [n for node in frontier for n, _ in node.next_functions if n is not None]
+    return nodes[0] if nodes else None
 
 
 def _has_unmanaged_trainable_params(example_inputs: Sequence[Any]) -> bool:
@@ -206,7 +241,7 @@ def _compile_bound(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Back
         partition_fn=inductor_partition_fn if inductor else default_partition,
         keep_inference_input_mutations=True,
     )
-    return backend(gm, example_inputs)
+    return graph.counting(backend(gm, example_inputs))
 
 
 class _ParamBoundDispatch:
