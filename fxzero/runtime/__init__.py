@@ -4,6 +4,7 @@ from .buffers import Bucket, ParamAndGradBuffer, shard_buffer
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .comm import CollectiveError, DataParallelGroup
 from .grad_sync import GradSync
+from .grad_views import ShardedGrad
 from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, plan_buckets, shard_fragments
 from .optimizer import DistributedOptimizer, StepResult
 
@@ -18,6 +19,7 @@ __all__ = [
     "Fragment",
     "GradSync",
     "ParamAndGradBuffer",
+    "ShardedGrad",
     "StepResult",
     "bucket_divisor",
     "latest_checkpoint",
