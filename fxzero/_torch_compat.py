@@ -8,12 +8,57 @@ replace it if torch moved or removed it.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 import torch
 import torch.fx as fx
 
-__all__ = ["current_graph_task_id", "inductor_post_grad_pass", "will_engine_execute_node"]
+__all__ = [
+    "current_graph_task_id",
+    "gradient_ops",
+    "inductor_post_grad_pass",
+    "plain_torch_function",
+    "storageless_like",
+    "will_engine_execute_node",
+]
+
+
+def storageless_like(cls: type, like: torch.Tensor) -> torch.Tensor:
+    """An instance of tensor subclass ``cls`` with ``like``'s shape, dtype and device and
+    no storage.
+
+    What for: ``p.grad`` views of gradients that live sharded over ranks
+    (:mod:`fxzero.runtime.grad_views`). Uses ``torch.Tensor._make_wrapper_subclass`` (what
+    DTensor and FSDP2 build on); if torch renames it, the same under its new name.
+    """
+    return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+
+def plain_torch_function() -> ContextManager[None]:
+    """Inside the block, torch functions called on a tensor subclass run as on a plain
+    tensor (no ``__torch_function__``).
+
+    What for: metadata reads of the ``p.grad`` views (shape, strides: what torch.compile
+    reads when it traces params). Uses ``torch._C.DisableTorchFunctionSubclass``; if torch
+    moves it, ``torch.overrides``' equivalent context manager.
+    """
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def gradient_ops() -> dict[str, Callable[..., Any]]:
+    """The private ops that ``torch.nn.utils.clip_grad_norm_`` (``foreach`` path) and
+    ``torch.amp.GradScaler`` call on gradients, by role.
+
+    What for: the ``p.grad`` views recognize them in ``__torch_function__`` and run them
+    over every rank's shards. If torch renames one, the new op goes here (the views
+    then raise a clear "not supported" error for the old name until it does).
+    """
+    return {
+        "foreach_norm": torch._foreach_norm,
+        "foreach_mul_": torch._foreach_mul_,
+        "foreach_div_": torch._foreach_div_,
+        "amp_unscale": torch._amp_foreach_non_finite_check_and_unscale_,
+    }
 
 
 def current_graph_task_id() -> int:

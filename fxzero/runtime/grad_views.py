@@ -31,6 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from .._torch_compat import gradient_ops, plain_torch_function, storageless_like
 from .reduced_grads import ReducedGrads
 
 __all__ = ["GradViews", "ShardedGrad", "grad_scaler_state"]
@@ -50,7 +51,7 @@ class ShardedGrad(torch.Tensor):
 
     @staticmethod
     def __new__(cls, param: torch.Tensor, grads: ReducedGrads, slot: int, name: str) -> "ShardedGrad":
-        view = torch.Tensor._make_wrapper_subclass(cls, param.shape, dtype=param.dtype, device=param.device)
+        view = storageless_like(cls, param)
         view._grads, view._slot, view._name = weakref.ref(grads), slot, name
         return view
 
@@ -66,7 +67,7 @@ class ShardedGrad(torch.Tensor):
         if func == _DATA:  # p.grad.data.norm(), p.grad.data.mul_(c): the same view
             return args[0]
         if func in _METADATA or getattr(func, "__name__", None) == "__get__":  # what torch.compile reads too
-            with torch._C.DisableTorchFunctionSubclass():
+            with plain_torch_function():
                 return func(*args, **kwargs)
         handler = _HANDLERS.get(func)
         if handler is None:
@@ -204,19 +205,20 @@ def _unscale(views: Sequence[Any], found_inf: torch.Tensor, inv_scale: torch.Ten
     grads.scale(slots, float(inv_scale))
 
 
+_OPS = gradient_ops()
 _HANDLERS: dict[Any, Callable[..., Any]] = {
     torch.linalg.vector_norm: _vector_norm,
     torch.Tensor.norm: _tensor_norm,
     torch.norm: _tensor_norm,
-    torch._foreach_norm: _foreach_norm,
+    _OPS["foreach_norm"]: _foreach_norm,
     torch.Tensor.mul_: _mul_,
     torch.Tensor.div_: _div_,
-    torch._foreach_mul_: _foreach_mul_,
-    torch._foreach_div_: _foreach_div_,
+    _OPS["foreach_mul_"]: _foreach_mul_,
+    _OPS["foreach_div_"]: _foreach_div_,
     torch.Tensor.zero_: _zero_,
     torch.Tensor.requires_grad_: _itself,
     torch.Tensor.detach_: _itself,
-    torch._amp_foreach_non_finite_check_and_unscale_: _unscale,
+    _OPS["amp_unscale"]: _unscale,
 }
 
 

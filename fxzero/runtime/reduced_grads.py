@@ -148,9 +148,9 @@ class ReducedGrads:
     def zero(self, slots: Sequence[int]) -> None:
         """Set params ``slots``' gradients to zero (they still count as present)."""
         self.finish()
-        grads = [frag.grad for s in slots for frag in self._of_slot[s]]
-        if grads:
-            torch._foreach_zero_(grads)
+        for slot in slots:  # model.zero_grad(set_to_none=False): one call per param anyway
+            for frag in self._of_slot[slot]:
+                frag.grad.zero_()
         for slot in slots:
             self._scale[slot] = 1.0
             if self._squares:
