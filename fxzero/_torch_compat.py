@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,23 +18,28 @@ import torch.fx as fx
 __all__ = [
     "aot_autograd",
     "compile_id",
+    "current_graph_task_id",
     "dynamo_input_names",
     "foreach_add_",
     "foreach_mul_",
     "foreach_norm",
+    "gradient_ops",
     "in_backward",
     "inductor_compile",
     "inductor_decompositions",
     "inductor_partition",
     "inductor_post_grad_pass",
     "inductor_pre_grad_passes",
+    "plain_torch_function",
     "process_group_store",
     "profiler_enabled",
     "queue_end_of_backward",
     "register_ordered_effect",
     "register_torch_log",
+    "storageless_like",
     "trace_artifact",
     "tracing",
+    "will_engine_execute_node",
 ]
 
 
@@ -182,9 +187,34 @@ def trace_artifact(name: str, encoding: str, payload: Any, compile_id: Optional[
 
 # ---- autograd engine and profiler ---------------------------------------------------------
 def in_backward() -> bool:
-    """Whether the autograd engine is running a backward on this thread.
-    ``torch._C._current_graph_task_id() != -1``."""
-    return torch._C._current_graph_task_id() != -1
+    """Whether the autograd engine is running a backward on this thread."""
+    return current_graph_task_id() != -1
+
+
+def current_graph_task_id() -> int:
+    """The id of the backward pass running on this thread, or -1 outside backward.
+
+    What for: telling one backward from the next (their first gradient settles which
+    compiled forwards they will deliver for) and whether an op runs inside the autograd
+    engine at all. Uses ``torch._C._current_graph_task_id``; if torch removes it, a
+    counter bumped by a callback queued on the engine at each backward's first gradient.
+    """
+    return torch._C._current_graph_task_id()
+
+
+def will_engine_execute_node(node: Any) -> bool:
+    """Whether the backward running now executes (or is executing) autograd ``node``.
+
+    What for: a compiled forward whose backward this pass will not run (a validation
+    loss computed with grad enabled) must not keep its buckets waiting. Uses
+    ``torch._C._will_engine_execute_node`` (what ``torch.autograd.graph.register_multi_grad_hook``
+    uses), which only knows the nodes *below* the backward's root: when the root itself is
+    the compiled function (a model that computes its loss inside the graph, as Hugging Face
+    models do), it says False while that very node runs, so the node running now
+    (``torch._C._current_autograd_node``) counts as executing too. If torch removes them:
+    a pre-hook on the node that marks it as run, checked at the end of backward.
+    """
+    return torch._C._will_engine_execute_node(node) or torch._C._current_autograd_node() is node
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
@@ -197,6 +227,45 @@ def profiler_enabled() -> bool:
     """Whether a ``torch.profiler`` is recording. ``torch._C._autograd._profiler_enabled``;
     if gone: ``torch.autograd.profiler._is_profiler_enabled``."""
     return torch._C._autograd._profiler_enabled()
+
+
+# ---- p.grad views of sharded gradients ---------------------------------------------------
+def storageless_like(cls: type, like: torch.Tensor) -> torch.Tensor:
+    """An instance of tensor subclass ``cls`` with ``like``'s shape, dtype and device and
+    no storage.
+
+    What for: ``p.grad`` views of gradients that live sharded over ranks
+    (:mod:`fxzero.optim.grad_views`). Uses ``torch.Tensor._make_wrapper_subclass`` (what
+    DTensor and FSDP2 build on); if torch renames it, the same under its new name.
+    """
+    return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)
+
+
+def plain_torch_function() -> ContextManager[None]:
+    """Inside the block, torch functions called on a tensor subclass run as on a plain
+    tensor (no ``__torch_function__``).
+
+    What for: metadata reads of the ``p.grad`` views (shape, strides: what torch.compile
+    reads when it traces params). Uses ``torch._C.DisableTorchFunctionSubclass``; if torch
+    moves it, ``torch.overrides``' equivalent context manager.
+    """
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+def gradient_ops() -> dict[str, Callable[..., Any]]:
+    """The private ops that ``torch.nn.utils.clip_grad_norm_`` (``foreach`` path) and
+    ``torch.amp.GradScaler`` call on gradients, by role.
+
+    What for: the ``p.grad`` views recognize them in ``__torch_function__`` and run them
+    over every rank's shards. If torch renames one, the new op goes here (the views
+    then raise a clear "not supported" error for the old name until it does).
+    """
+    return {
+        "foreach_norm": torch._foreach_norm,
+        "foreach_mul_": torch._foreach_mul_,
+        "foreach_div_": torch._foreach_div_,
+        "amp_unscale": torch._amp_foreach_non_finite_check_and_unscale_,
+    }
 
 
 # ---- distributed ----------------------------------------------------------------------------

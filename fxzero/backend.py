@@ -7,8 +7,15 @@ by identity (``optimizer.bind(example_inputs)``). The passes insert ops that rec
 params as graph values (:mod:`fxzero.ops`): the joint graph gets the bucket launches
 (:mod:`fxzero.passes.bucket_reduce_scatter`), the forward the all-gather waits
 (:mod:`fxzero.passes.param_gather_wait`). Nothing here holds an optimizer: at run time the
-ops find it through the params (:mod:`fxzero.optim.binding`). Graphs with no managed
-params compile exactly as plain ``torch.compile`` would.
+ops find it through the params (:mod:`fxzero.optim.binding`). Each run of a compiled forward
+tells the owners how many gradients its backward will deliver per bucket, tied to its
+autograd node, so a bucket spread over several graphs and eager regions launches once,
+when its last gradient arrives, and a forward whose backward never runs is taken out again
+(:mod:`fxzero.optim.pending_forwards`). A managed param that has tensor hooks
+(``param.register_hook``) when its graph compiles keeps autograd's path in that graph's
+backward, so its hooks see the real gradient (the eager post-accumulate hook then moves
+it into ``main_grad``). Graphs with no managed params compile exactly as plain
+``torch.compile`` would.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from functorch.compile import default_partition, make_boxed_func
 
 from . import _torch_compat as compat
 from .debug.dump import GraphDumper
-from .optim.binding import compiled_forward, owner_of
+from .optim.binding import counting_forward, owner_of
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
 from .passes.bucket_reduce_scatter import ManagedParam
 from .passes.matchers import is_grads_ready
@@ -81,9 +88,11 @@ def fxzero_backend(
     owners, managed = managed_params(example_inputs)
     if not managed:
         _warn_if_unmanaged(example_inputs)
-    dumper = GraphDumper(opts.dump_dir, owners, managed, compat.dynamo_input_names(gm), example_inputs)
-    hooks = _GraphCompiler(opts, len(example_inputs), managed, dumper)
-    return compat.aot_autograd(
+    names = compat.dynamo_input_names(gm)
+    dumper = GraphDumper(opts.dump_dir, owners, managed, names, example_inputs)
+    hooked = _hooked_positions(example_inputs, managed, names)
+    hooks = _GraphCompiler(opts, len(example_inputs), [m for m in managed if m.position not in hooked], dumper)
+    compiled = compat.aot_autograd(
         fw_compiler=hooks.forward,
         bw_compiler=hooks.backward,
         inference_compiler=hooks.inference,
@@ -91,6 +100,7 @@ def fxzero_backend(
         decompositions=compat.inductor_decompositions() if inductor else None,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)
+    return hooks.counting(compiled, len(owners))
 
 
 def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam]]:
@@ -109,6 +119,15 @@ def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[Manag
     return owners, sorted(managed, key=lambda m: m.position)
 
 
+def _hooked_positions(example_inputs: Sequence[Any], managed: Sequence[ManagedParam], names: Sequence[str]) -> set[int]:
+    """Managed params with tensor hooks: their gradients keep autograd's path, so the hooks see them."""
+    hooked = {m.position for m in managed if example_inputs[m.position]._backward_hooks}
+    for position in sorted(hooked):
+        name = getattr(example_inputs[position], "_fxzero_name", None) or names[position]
+        log.info("param %s has tensor hooks: its gradient takes autograd's path so they see it", name)
+    return hooked
+
+
 def _warn_if_unmanaged(example_inputs: Sequence[Any]) -> None:
     if any(isinstance(x, torch.nn.Parameter) and x.requires_grad for x in example_inputs):
         warnings.warn(
@@ -123,7 +142,8 @@ _graph_ids = itertools.count()
 
 class _GraphCompiler:
     """AOTAutograd's hooks for one Dynamo graph: fxzero's passes, then the inner compiler.
-    It keeps plain data (positions, plans) and the dump record, never an optimizer."""
+    It keeps plain data (positions, plans) and the dump record, never an optimizer.
+    ``managed`` are the params whose gradients go to fxzero (tensor-hooked ones excluded)."""
 
     def __init__(self, opts: BackendOptions, num_inputs: int, managed: list[ManagedParam], dumper: GraphDumper) -> None:
         self.opts, self.num_inputs, self.managed, self.dumper = opts, num_inputs, managed, dumper
@@ -143,10 +163,15 @@ class _GraphCompiler:
         return inner(joint, joint_inputs, **kwargs)
 
     def forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        compiled = self._forward_graph("forward", gm, example_inputs)
-        groups = [[m.position for m in self.managed if m.owner == o] for o in range(len(self.dumper.owners))]
-        delivered = [[p in self.delivered for p in group] for group in groups]
-        return compiled_forward(self.id, groups, delivered, compiled) if self.managed else compiled
+        return self._forward_graph("forward", gm, example_inputs)
+
+    def counting(self, compiled: Callable, owners: int) -> Callable:
+        """The compiled Dynamo graph, telling each owner after every run which gradients
+        the backward from its outputs will deliver."""
+        if not self.managed:
+            return compiled
+        groups = [tuple(m.position for m in self.managed if m.owner == o) for o in range(owners)]
+        return counting_forward(self.id, groups, lambda: self.delivered, compiled)
 
     def inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         return self._forward_graph("inference", gm, example_inputs)

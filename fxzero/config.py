@@ -81,14 +81,21 @@ class Config:
 
     reuse_grad_buf_for_mxfp8_param_ag: bool = False
     """Land the MXFP8 gather inside each bucket's own ``grad_data`` memory (viewed as
-    bytes) instead of a separate buffer: the gather then costs no memory. Gradients and
-    gathered params are never live at once: a bucket's region is zeroed right after its
-    params are dequantized, before any gradient is added to it. Needs
-    ``mxfp8_param_gather=True``."""
+    bytes) instead of a separate buffer: the gather then needs no buffer of its own (only a
+    copy of this rank's row, 1/dp of it). Gradients and gathered params are never live at
+    once: a bucket's region is zeroed right after its params are dequantized, before any
+    gradient is added to it. Needs ``mxfp8_param_gather=True``."""
+
+    init_sync: bool = True
+    """Broadcast rank 0's params (and, with ``module=``, the module's buffers and other
+    params) when the optimizer is built, as DDP's ``init_sync`` does, so ranks seeded
+    differently still start from one model. ``False`` keeps each rank's values (the
+    cross-rank check that every rank lays out the same params runs either way)."""
 
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
-        for name in ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag"):
+        flags = ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
         if self.reuse_grad_buf_for_mxfp8_param_ag and not self.mxfp8_param_gather:

@@ -224,6 +224,7 @@ def _aliasing(reuse: bool) -> dict:
         "buffer": opt.gather.buffer is not None,
         "runtime_bytes": opt.runtime_bytes,
         "payload": payload,
+        "kept": opt.gather.kept.nbytes if opt.gather.kept is not None else 0,
         "landing_allocated": landing,
         "buckets": len(opt.buckets),
     }
@@ -235,7 +236,9 @@ def test_gather_lands_in_the_grad_buffer_and_allocates_no_gather_buffer() -> Non
         assert a["buckets"] >= 2
         assert all(a["inside"]) and not a["buffer"], "every bucket's gather must land in its own grad memory"
         assert not any(b["inside"]) and b["buffer"]
-        assert b["runtime_bytes"] - a["runtime_bytes"] == b["payload"] == a["payload"]
+        # with reuse the only gather memory is the kept copy of this rank's row: 1/dp of the payload
+        assert a["kept"] == a["payload"] // 2 and b["kept"] == 0
+        assert b["runtime_bytes"] - a["runtime_bytes"] == b["payload"] - a["kept"] and a["payload"] == b["payload"]
         assert a["landing_allocated"] == 0, a  # launch + wait + dequantize + zero: no allocation
 
 

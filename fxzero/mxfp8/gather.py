@@ -23,6 +23,11 @@ Without reuse the rows live in one separate byte buffer.
 Only :meth:`publish` allocates (the quantizer's float32 temporary of one shard); the
 block scale factors are decoded into one preallocated scratch shared by all buckets,
 which is safe because buckets land one at a time on the thread that runs the model.
+
+This rank's own row outlives the landing (:meth:`own_values` rebuilds from it what the
+rank's shard of the params should hold, to notice values written outside the
+optimizer): without reuse it stays in the gather buffer; with reuse the grad region
+it lands in is zeroed, so publish keeps a copy, 1/dp of the payload.
 """
 
 from __future__ import annotations
@@ -71,6 +76,14 @@ class _BucketViews:
     """The bucket's ``param_data`` as ``[dp, S/32, 32]``."""
     grads: Optional[torch.Tensor]
     """The bucket's ``grad_data`` when the rows live in it (zeroed after landing)."""
+    kept: torch.Tensor
+    """uint8, where this rank's row is kept until the next publish (``send``, or a copy)."""
+    kept_codes: torch.Tensor
+    """float8_e4m3fn ``[S/32, 32]`` view of the kept row's codes."""
+    kept_scales: torch.Tensor
+    """float8_e8m0fnu ``[S/32, 1]`` view of the kept row's scales."""
+    own_factors: torch.Tensor
+    """float32 ``[S/32, 1]`` scratch for the kept row's decoded scales."""
 
 
 class Mxfp8Gather:
@@ -86,10 +99,14 @@ class Mxfp8Gather:
         self.buffer: Optional[torch.Tensor] = None
         if not reuse_grad_buffer:
             self.buffer = torch.zeros(sum(sizes), dtype=torch.uint8, device=device)
+        self.kept: Optional[torch.Tensor] = None
+        if reuse_grad_buffer:
+            self.kept = torch.zeros(sum(sizes) // dp.size, dtype=torch.uint8, device=device)
         scratch_numel = max((b.param_data.numel() // _BLOCK for b in buckets), default=0)
         self.scratch = torch.empty(scratch_numel, dtype=torch.float32, device=device)
         offsets = [0, *itertools.accumulate(sizes)][:-1]
         self.views = tuple(self._views(b, offset, size) for b, offset, size in zip(buckets, offsets, sizes))
+        self._published = [False] * len(self.views)
 
     def _views(self, bucket: Bucket, offset: int, size: int) -> _BucketViews:
         dp, numel = self.dp.size, bucket.param_data.numel()
@@ -100,6 +117,7 @@ class Mxfp8Gather:
             dest = self.buffer[offset : offset + size]
         rows = dest.view(dp, size // dp)
         send = rows[self.dp.rank]
+        kept = send if self.kept is None else self.kept[offset // dp : (offset + size) // dp]
         return _BucketViews(
             send=send,
             dest=dest,
@@ -110,12 +128,19 @@ class Mxfp8Gather:
             factors=self.scratch[: dp * blocks].view(dp, blocks, 1),
             params=bucket.param_data.view(dp, blocks, _BLOCK),
             grads=bucket.grad_data if self.buffer is None else None,
+            kept=kept,
+            kept_codes=kept[:shard].view(torch.float8_e4m3fn).view(blocks, _BLOCK),
+            kept_scales=kept[shard:].view(torch.float8_e8m0fnu).unsqueeze(-1),
+            own_factors=self.scratch[:blocks].view(blocks, 1),
         )
 
     def publish(self, index: int, main: torch.Tensor) -> None:
         """Quantize this rank's updated fp32 main shard into its row of bucket ``index``."""
         views = self.views[index]
         mxfp8.quantize(main, out=(views.own_codes, views.own_scales))
+        if views.kept is not views.send:
+            views.kept.copy_(views.send)
+        self._published[index] = True
 
     def launch(self, index: int) -> Optional[dist.Work]:
         if self.dp.size == 1:
@@ -132,10 +157,24 @@ class Mxfp8Gather:
         if views.grads is not None:
             views.grads.zero_()
 
+    def own_values(self, index: int, main: torch.Tensor, out: torch.Tensor) -> None:
+        """This rank's row dequantized into ``out``, as landing writes it (``main`` before
+        the first publish)."""
+        if not self._published[index]:
+            out.copy_(main)
+            return
+        views = self.views[index]
+        values = out.view(views.kept_codes.shape)
+        views.own_factors.copy_(views.kept_scales)
+        values.copy_(views.kept_codes)
+        values.mul_(views.own_factors)
+
     @property
     def nbytes(self) -> int:
-        """Memory this gather adds to the runtime: the separate rows (unless reused) and the scratch."""
-        return (self.buffer.nbytes if self.buffer is not None else 0) + self.scratch.nbytes
+        """Memory this gather adds to the runtime: the separate rows (unless reused; then
+        the kept copy of this rank's row) and the scratch."""
+        rows = self.buffer if self.buffer is not None else self.kept
+        return (rows.nbytes if rows is not None else 0) + self.scratch.nbytes
 
     def bytes_per_gather(self, index: int) -> int:
         return self.views[index].dest.nbytes

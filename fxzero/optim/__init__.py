@@ -4,6 +4,7 @@ group, gradient reduce-scatters and param all-gathers."""
 from .buffers import Bucket, ParamAndGradBuffer, shard_buffer
 from .comm import CollectiveError, DataParallelGroup
 from .grad_sync import GradSync
+from .grad_views import ShardedGrad
 from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, plan_buckets, shard_fragments
 from .optimizer import DistributedOptimizer, StepResult
 
@@ -17,6 +18,7 @@ __all__ = [
     "Fragment",
     "GradSync",
     "ParamAndGradBuffer",
+    "ShardedGrad",
     "StepResult",
     "bucket_divisor",
     "plan_buckets",

@@ -28,7 +28,7 @@ from .._torch_compat import foreach_add_
 from .grad_sync import GradSync
 from .param_sync import ParamSync
 
-__all__ = ["GraphBinding", "InputBinding", "binding_of", "compiled_forward", "owner_of"]
+__all__ = ["GraphBinding", "InputBinding", "backward_node", "binding_of", "counting_forward", "owner_of"]
 
 
 def owner_of(param: Any) -> Any:
@@ -150,14 +150,15 @@ class GraphBinding:
         self.param_sync.wait_many(buckets)
 
     # ---- each run of a compiled forward --------------------------------------------
-    def forward_ran(self, graph: int, args: Sequence[Any], positions: Sequence[int], delivered: Sequence[bool]) -> None:
-        """A compiled forward (``graph`` identifies it) ran with ``args``: its backward will
-        deliver the gradients of the params at ``positions`` flagged in ``delivered``."""
+    def forward_ran(self, graph: int, args: Sequence[Any], positions: Sequence[int], delivered: frozenset[int], node: Any) -> None:
+        """A compiled forward (``graph`` identifies it) ran with ``args``; its backward,
+        from autograd ``node``, delivers the gradients of the params at ``positions``
+        that are in ``delivered``."""
         key = (graph, id(args[positions[0]]), id(args[positions[-1]]), len(positions))
         counts = self._counts.get(key)
         if counts is None:
-            counts = self._counts[key] = self._register([args[p] for p in positions], delivered)
-        self.grad_sync.forward_ran(counts)
+            counts = self._counts[key] = self._register([args[p] for p in positions], [p in delivered for p in positions])
+        self.grad_sync.forward_ran(counts, node)
 
     def _register(self, params: Sequence[Any], delivered: Sequence[bool]) -> list[tuple[int, int]]:
         """First run with this param set: their gradients come from compiled graphs now."""
@@ -170,18 +171,35 @@ class GraphBinding:
         return sorted(per_bucket.items())
 
 
-def compiled_forward(
-    graph: int, positions: Sequence[Sequence[int]], delivered: Sequence[Sequence[bool]], compiled: Callable[[list[Any]], Any]
-) -> Callable[[list[Any]], Any]:
-    """Wrap a compiled forward (boxed calling convention) so each run tells the owner of
-    each group of ``positions`` (one group per optimizer) which gradients its backward
-    will deliver."""
-    groups = [(tuple(group), tuple(flags)) for group, flags in zip(positions, delivered) if group]
+def counting_forward(
+    graph: int, positions: Sequence[Sequence[int]], delivered: Callable[[], frozenset[int]], compiled: Callable[..., Any]
+) -> Callable[..., Any]:
+    """Wrap a compiled Dynamo graph so that each run that builds an autograd graph tells
+    the owner of each group of ``positions`` (one per optimizer) which gradients its
+    backward will deliver (``delivered()``: known once the graph is partitioned)."""
+    groups = [tuple(group) for group in positions if group]
 
-    def run(args: list[Any]) -> Any:
-        for group, flags in groups:
-            binding_of(args[group[0]]).forward_ran(graph, args, group, flags)
-        return compiled(args)
+    def run(*args: Any) -> Any:
+        outputs = compiled(*args)
+        node = backward_node(outputs)
+        if node is not None:
+            for group in groups:
+                binding_of(args[group[0]]).forward_ran(graph, args, group, delivered(), node)
+        return outputs
 
-    run._boxed_call = True  # type: ignore[attr-defined]
     return run
+
+
+def backward_node(outputs: Any) -> Any:
+    """The compiled function's autograd node behind ``outputs`` (views of outputs are
+    regenerated outside it, so their ``grad_fn`` leads there), or ``None`` when no output
+    needs a gradient."""
+    outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+    nodes = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
+    frontier = nodes
+    for _ in range(4):
+        for node in frontier:
+            if node.name().startswith("CompiledFunction"):
+                return node
+        frontier = [n for node in frontier for n, _ in node.next_functions if n is not None]
+    return nodes[0] if nodes else None

@@ -104,6 +104,10 @@ class DataParallelGroup:
         if self.size > 1:
             self.wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True), what)
 
+    def all_reduce_max(self, tensor: torch.Tensor, what: str = "all-reduce of the gradient max-norms") -> None:
+        if self.size > 1:
+            self.wait(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
+
     def wait(self, work: dist.Work, what: str, bucket: Optional[int] = None, params: Sequence[torch.Tensor] = ()) -> None:
         """``work.wait()``, turning a failure (a dead peer's closed connection, or the
         process group's timeout for one that stopped answering) into a

@@ -9,7 +9,9 @@ the current step are in ``main_grad``. Two producers report to it:
   inserts after a bucket's last gradient in that graph (:mod:`fxzero.ops`).
   Autograd never sees those gradients (the graph returns ``None`` for them), so the
   count is kept here: each run of a compiled forward adds the number of gradients its
-  backward will deliver per bucket (:meth:`forward_ran`), and each op subtracts them.
+  backward will deliver per bucket (:meth:`forward_ran`), and each op subtracts them;
+  a forward whose backward does not run is taken out again at the first gradient of
+  the next backward (:mod:`~fxzero.optim.pending_forwards`).
 
 A bucket is ready when its count of outstanding contributions reaches zero. It
 launches when it is ready **and** every lower-indexed bucket has launched, so
@@ -17,6 +19,9 @@ collectives are issued in bucket order on every rank whatever order data-depende
 control flow produced the gradients in. At the end of each backward (an engine
 callback) every bucket not yet launched is launched, so a param that got no gradient
 never blocks. Under :meth:`no_sync` gradients accumulate and nothing launches.
+``written`` says whether any gradient reached the buffers since they were last
+zeroed, so zeroing twice (by ``step()``, which consumes the gradients, and by the
+loop's ``zero_grad()``) costs once.
 
 A param read both by a compiled graph and eagerly ("mixed", e.g. a tied embedding
 across a graph break) is discovered when its eager hook fires; its eager contribution
@@ -40,6 +45,7 @@ import torch.distributed as dist
 from .._torch_compat import foreach_mul_, in_backward, queue_end_of_backward
 from .buffers import Bucket, ReceiveRing
 from .comm import DataParallelGroup
+from .pending_forwards import PendingForwards
 
 __all__ = ["GradSync"]
 
@@ -81,6 +87,11 @@ class GradSync:
         self.before_grad_write: Optional[Callable[[int], None]] = None
         """Called with a bucket index before its grad memory is written or reduced (the
         MXFP8 gather that reuses the grad buffer lands the bucket there)."""
+        self.after_backward: Optional[Callable[[], None]] = None
+        """Called at the end of every backward that ran outside :meth:`no_sync`."""
+        self.written = False
+        """A gradient reached ``main_grad`` since the buffers were last zeroed."""
+        self._forwards = PendingForwards()
         self._accumulating = False
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -111,6 +122,8 @@ class GradSync:
     def grad_ready(self, slot: int) -> None:
         """Param ``slot``'s eager gradient for this backward is in ``main_grad``."""
         self.presence[slot] = 1
+        self.written = True
+        self._forwards.settle(self._pending)
         if self._accumulating:
             return
         bucket = self.bucket_of_slot[slot]
@@ -140,16 +153,17 @@ class GradSync:
                 self._pending[self.bucket_of_slot[slot]] -= 1
         self.learning = True
 
-    def forward_ran(self, bucket_counts: Sequence[tuple[int, int]]) -> None:
-        """A compiled forward ran; its backward will deliver ``count`` grads per bucket.
-        Counted under ``no_sync`` too: the matching backward subtracts them whichever
-        context it runs in."""
-        for bucket, count in bucket_counts:
-            self._pending[bucket] += count
+    def forward_ran(self, bucket_counts: Sequence[tuple[int, int]], node: object) -> None:
+        """A compiled forward ran; its backward (starting at autograd ``node``) will deliver
+        ``count`` grads per bucket. Counted under ``no_sync`` too: the matching backward
+        subtracts them whichever context it runs in."""
+        self._forwards.add(node, bucket_counts, self._pending)
 
     def compiled_grads_ready(self, bucket: int, count: int, slots: torch.Tensor) -> None:
         """``count`` gradients of ``bucket`` (params ``slots``) were added to ``main_grad``."""
         self.presence_tensor.index_fill_(0, slots, 1)
+        self.written = True
+        self._forwards.settle(self._pending)
         if self._launched[bucket]:
             raise RuntimeError(self._late_grad_message(int(slots[0]), bucket))
         self._contribute(bucket, count)
@@ -181,7 +195,10 @@ class GradSync:
 
     def _end_of_backward(self) -> None:
         self._callback_queued = False
+        self.learning = False  # the counts were learned (not at reset: zero_grad may sit between forward and backward)
         self.launch_all()
+        if self.after_backward is not None:
+            self.after_backward()
 
     def _launch_ready_prefix(self) -> None:
         while self._next < len(self.buckets) and self._pending[self._next] <= 0:
@@ -232,18 +249,25 @@ class GradSync:
             self.dp.sum_received(self._own_shards[index], self.ring.rows[index])
 
     def reset(self) -> None:
-        """Start a new step: nothing ready, nothing launched, no gradient seen."""
+        """Start a new step: nothing ready, nothing launched, no gradient seen. Forwards
+        whose backward has not run yet stay expected."""
         self._pending[:] = self._baseline
+        self._forwards.recount(self._pending)
         for index in range(len(self._launched)):
             self._launched[index] = False
         self._next = 0
         self._seen[:] = self._zeros
         self.presence[:] = self._zeros
-        self.learning = False
 
     @property
     def launched(self) -> tuple[bool, ...]:
         return tuple(self._launched)
+
+    @property
+    def compiled(self) -> bytearray:
+        """``compiled[slot]`` is 1 once a compiled graph's backward hands param ``slot``'s
+        gradient to fxzero directly (its tensor hooks do not run there)."""
+        return self._compiled
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

@@ -5,8 +5,8 @@ A step has three communication phases, all on buffers laid out once at construct
 1. **reduce-scatter** (started during backward by :class:`~fxzero.optim.grad_sync.GradSync`,
    finished at the top of :meth:`DistributedOptimizer.step`): each bucket's ``grad_data``
    is averaged over ranks into this rank's pre-made shard view of it;
-2. **shard update**: one small all-reduce carries the squared grad norm of this rank's
-   fragments plus a per-param "got a gradient" flag; then the wrapped ``torch.optim``
+2. **shard update**: one small all-reduce carries each param's squared grad norm over
+   this rank's fragments and a "got a gradient" flag; then the wrapped ``torch.optim``
    optimizer updates the fp32 main fragments of this rank's shards only (1/dp of the
    optimizer state per rank), skipping params that got no gradient on any rank and the
    whole update when the global norm is not finite;
@@ -20,6 +20,16 @@ A step has three communication phases, all on buffers laid out once at construct
 Padding exists so every bucket splits into dp equal, aligned shards; it is zero in both
 buffers, is never handed to the wrapped optimizer, and is excluded from the norm.
 At world size 1 no collective is issued.
+
+Between backward and ``step()`` each managed param's ``.grad`` is a view of its sharded
+gradient (:mod:`fxzero.optim.grad_views`), so ``clip_grad_norm_``, ``GradScaler`` and
+``model.zero_grad()`` act as under DDP. ``step()`` consumes the gradients: the next
+backward starts from zeroed buffers whether the loop calls ``opt.zero_grad()``,
+``model.zero_grad()`` or neither. Before each update the optimizer checks that the
+params are still its views and takes values written into them since into its fp32
+masters (:mod:`fxzero.optim.param_watch`). At construction every rank checks that all
+ranks lay out the same params (:mod:`fxzero.optim.layout_agreement`) and starts from
+rank 0's values (:mod:`fxzero.optim.initial_broadcast`).
 """
 
 from __future__ import annotations
@@ -27,23 +37,30 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
+import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import foreach_mul_, foreach_norm
 from ..config import Config
+from ..mxfp8.gather import Mxfp8Gather
+from .binding import GraphBinding, InputBinding
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
-from .binding import GraphBinding, InputBinding
 from .grad_sync import GradSync
-from ..mxfp8.gather import Mxfp8Gather
-from .param_sync import Gather, ParamSync, PlainGather, install_param_waits
+from .grad_views import GradViews, grad_scaler_state
+from .initial_broadcast import broadcast_initial_state
 from .layout import plan_buckets
+from .layout_agreement import check_ranks_agree, describe_layout
+from .param_sync import Gather, ParamSync, PlainGather, install_param_waits
+from .param_watch import ParamWatch
+from .reduced_grads import ReducedGrads
 from .shards import build_shards
-from .validation import check_group_keys, check_managed_params, check_optimizer_kwargs, layout_order, tag_param_names
+from .validation import check_first_order, check_group_keys, check_leaves, check_managed_params
+from .validation import check_optimizer_kwargs, layout_order, tag_param_names
 
 __all__ = ["DistributedOptimizer", "StepResult"]
 
@@ -57,11 +74,16 @@ class StepResult:
     """What :meth:`DistributedOptimizer.step` did."""
 
     skipped: bool
-    """True when the update was skipped because the global gradient norm was not finite."""
+    """True when no update was applied (``reason`` says why)."""
     grad_norm: float
-    """Global L2 norm of the averaged gradients, before clipping."""
+    """Global L2 norm of the averaged gradients as ``step()`` found them (after any
+    ``clip_grad_norm_`` or unscaling by hand, before ``Config.clip_grad``)."""
     loss: Any = None
     """The closure's return value, if a closure was given."""
+    reason: Optional[Literal["non_finite", "found_inf", "no_gradients"]] = None
+    """Why the update was skipped: the global norm was not finite; ``GradScaler`` found
+    inf/NaN; or no param got a gradient since the previous step (``step()`` consumes
+    gradients, so a second ``step()`` after one backward applies nothing; it warns)."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -78,6 +100,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     as Megatron-LM's does, instead of group order, which would put first- and
     last-layer params in one bucket and leave no reduce-scatter to overlap backward.
     """
+
+    _step_supports_amp_scaling = True
+    """``torch.amp.GradScaler.step`` then always calls :meth:`step`, with ``grad_scale``
+    and ``found_inf`` set on the optimizer, so a skipped step still consumes the gradients."""
 
     def __init__(
         self,
@@ -103,22 +129,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name, value in self.defaults.items():
                 group.setdefault(name, value)
         self.params = check_managed_params(self.param_groups)
+        check_first_order(optimizer_class)
         self.optimizer_class = optimizer_class
         self._layout = layout_order(self.params, module, len(self.param_groups))
+        if module is not None:
+            tag_param_names(module, self.params)
+        check_ranks_agree(self.dp, describe_layout(self._layout, self.param_groups, self._settings()), self.params[0].device)
         # Eager reads can only be made to wait through the module's hooks: no module, no overlap.
         self._overlap = self.config.overlap_param_gather and module is not None
         if self.config.overlap_param_gather and module is None and self.dp.size > 1:
             log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
-        self._build_runtime()
+        self._build_runtime(module)
         if module is not None:
-            tag_param_names(module, self.params)
             handles = install_param_waits(module, self.buckets, self.param_sync)
             weakref.finalize(self, _remove_handles, handles)
 
     # ---- construction -----------------------------------------------------------
-    def _build_runtime(self) -> None:
+    def _settings(self) -> tuple[Any, ...]:
+        """Everything besides the params that shapes the buckets and collectives."""
+        c = self.config
+        return (c.resolved_bucket_size(self.dp.size), c.pad_for_high_busbw, c.shard_multiple, c.grad_dtype,
+                self.dp.grad_collective, c.mxfp8_param_gather, c.reuse_grad_buf_for_mxfp8_param_ag)  # fmt: skip
+
+    def _build_runtime(self, module: Optional[torch.nn.Module]) -> None:
         slot_of = {id(p): slot for slot, p in enumerate(self.params)}
         self.buffers = self._build_buffers()
+        if self.config.init_sync:
+            broadcast_initial_state(self.dp, [b.param_data for b in self.buffers], module, self.params)
         self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
         self.grad_sync = GradSync(self.buckets, self.params, self.dp)
         self.gather = self._build_gather()
@@ -135,15 +172,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param._fxzero_owner = weakref.ref(self)
             param._fxzero_slot = slot
         self.grad_sync.install_hooks()
+        self.reduced = ReducedGrads(self.grad_sync, self.shards, self.fragments, self.dp)
+        self.param_watch = ParamWatch(self.params, self.shards, self.gather, self.dp.rank, self.grad_sync.compiled)
+        self.grad_views = GradViews(self.params, self.reduced, self.param_watch.check)
+        self.grad_sync.after_backward = self.grad_views.install
         # Hooks hold the GradSync, not the optimizer: when the optimizer goes away its
         # hooks must go too, or a successor optimizer would see every gradient twice.
         weakref.finalize(self, self.grad_sync.remove_hooks)
-        self._fragments_of_slot: list[list[Any]] = [[] for _ in self.params]
-        for frag in self.fragments:
-            self._fragments_of_slot[frag.slot].append(frag)
-        self._fragment_grads = [f.grad for f in self.fragments]
-        self._stats = torch.zeros(len(self.params) + 1, dtype=torch.float64, device=self.params[0].device)
-        self._presence = self.grad_sync.presence_tensor
+        weakref.finalize(self, self.grad_views.clear)
 
     def _build_gather(self) -> Gather:
         if not self.config.mxfp8_param_gather:
@@ -182,7 +218,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "fxzero.DistributedOptimizer lays out its buffers once; add_param_group after "
                 "construction is not supported. Create a new optimizer with all param groups."
             )
-        _check_leaves(param_group, len(self.param_groups))
+        check_leaves(param_group, len(self.param_groups))
         super().add_param_group(param_group)
 
     def bind(self, example_inputs: Sequence[Any]) -> InputBinding:
@@ -194,67 +230,57 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- the step ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> StepResult:  # type: ignore[override]
-        """Finish grad reduce-scatters, update this rank's shards, gather params."""
+        """Finish grad reduce-scatters, update this rank's shards, gather params.
+        The gradients are consumed: the next backward starts from zero."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         self.param_sync.finish()  # a bucket the forward never read may still be gathering
-        self.grad_sync.finish()
-        for shard in self.shards:
-            if not shard.main_grad_is_grad:
-                shard.main_grad.copy_(shard.bucket.grad_shards[self.dp.rank])
-        norm = self._reduce_stats()
+        self.param_watch.check()
+        self.param_watch.adopt_outside_writes()
+        dropped = self.grad_views.collect()
+        result = self._update(dropped, loss)
+        self._zero_grads()
+        return result
+
+    def _update(self, dropped: list[int], loss: Any) -> StepResult:
+        grads = self.reduced
+        norm, absent = grads.total_norm(dropped), grads.absent(dropped)
         self.grad_sync.reset()
-        if not torch.isfinite(norm):
-            return StepResult(skipped=True, grad_norm=float(norm), loss=loss)
-        self._clip(norm)
+        grad_scale, found_inf = grad_scaler_state(self)
+        if len(absent) == len(self.params):
+            _warn_no_gradients(dropped)
+            return StepResult(skipped=True, grad_norm=0.0, loss=loss, reason="no_gradients")
+        if found_inf:
+            return StepResult(skipped=True, grad_norm=norm / grad_scale, loss=loss, reason="found_inf")
+        norm /= grad_scale
+        if not math.isfinite(norm):
+            return StepResult(skipped=True, grad_norm=norm, loss=loss, reason="non_finite")
+        grads.apply(self._clip_coefficient(norm) / grad_scale)
         self._sync_hyperparameters()
-        with self._absent_grads_hidden():
+        with grads.hidden(absent):
             self.local.step()
         self._write_back_and_gather()
-        return StepResult(skipped=False, grad_norm=float(norm), loss=loss)
+        return StepResult(skipped=False, grad_norm=norm, loss=loss)
 
-    def _reduce_stats(self) -> torch.Tensor:
-        """One all-reduce: per-param presence flags and the squared norm of our fragments."""
-        stats = self._stats
-        stats[:-1].copy_(self._presence)
-        if self._fragment_grads:
-            # per-fragment norms in fp32 (as clip_grad_norm_ does; converting every element
-            # to fp64 cost 16x more), combined in fp64
-            norms = foreach_norm(self._fragment_grads, 2)
-            stats[-1] = torch.stack(norms).double().square().sum()
-        else:
-            stats[-1] = 0.0
-        self.dp.all_reduce_sum(stats)
-        return stats[-1].sqrt()
-
-    def _clip(self, norm: torch.Tensor) -> None:
+    def _clip_coefficient(self, norm: float) -> float:
+        """``Config.clip_grad``'s factor, by the formula of ``torch.nn.utils.clip_grad_norm_``."""
         if self.config.clip_grad is None:
-            return
-        coef = self.config.clip_grad / (float(norm) + 1e-6)
-        if coef < 1.0:
-            foreach_mul_([s.main_grad for s in self.shards], coef)
+            return 1.0
+        return min(1.0, self.config.clip_grad / (norm + 1e-6))
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients by their global norm over every rank (as
+        ``torch.nn.utils.clip_grad_norm_`` would under DDP, or FSDP's method); returns
+        the norm before clipping. Call it between backward and :meth:`step`."""
+        return torch.tensor(self.reduced.clip(float(max_norm), float(norm_type)), dtype=torch.float32)
 
     def _sync_hyperparameters(self) -> None:
         """Copy (possibly scheduler-edited) hyperparameters to the wrapped optimizer."""
         for group, local in zip(self.param_groups, self.local.param_groups):
             for name in self.defaults:
                 local[name] = group[name]
-
-    @contextlib.contextmanager
-    def _absent_grads_hidden(self) -> Iterator[None]:
-        """Give fragments of params that got no gradient on any rank ``grad=None``, as
-        torch.optim expects, so zeros in the flat buffer never decay or move them."""
-        absent = (self._stats[:-1] == 0).nonzero().flatten().tolist() if not bool(self._stats[:-1].all()) else []
-        hidden = [frag for slot in absent for frag in self._fragments_of_slot[slot]]
-        for frag in hidden:
-            frag.param.grad = None
-        try:
-            yield
-        finally:
-            for frag in hidden:
-                frag.param.grad = frag.grad
 
     def _write_back_and_gather(self) -> None:
         for shard in self.shards:
@@ -279,18 +305,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.grad_sync.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat grad buffers (``main_grad``). Managed params' ``.grad`` is always
-        ``None`` (gradients live in ``main_grad``), so ``set_to_none`` changes nothing."""
+        """Zero the flat grad buffers (``main_grad``); a no-op after ``step()``, which
+        consumed them. Managed params' ``.grad`` becomes ``None`` either way (between
+        backward and step it is a view of the sharded gradient, never a tensor of its own)."""
+        self.grad_views.clear()
+        self._zero_grads()
+
+    def _zero_grads(self) -> None:
         self.grad_sync.finish_launched()
-        if self._reuse:
-            # a bucket whose gather is pending holds gather bytes: landing zeroes it
-            for bucket in self.buckets:
-                if not self.param_sync.is_pending(bucket.index):
-                    bucket.grad_data.zero_()
-        else:
-            for buffer in self.buffers:
-                buffer.grad_data.zero_()
+        if self.grad_sync.written:
+            if self._reuse:
+                # a bucket whose gather is pending holds gather bytes: landing zeroes it
+                for bucket in self.buckets:
+                    if not self.param_sync.is_pending(bucket.index):
+                        bucket.grad_data.zero_()
+            else:
+                for buffer in self.buffers:
+                    buffer.grad_data.zero_()
+            self.grad_sync.written = False
         self.grad_sync.reset()
+        self.reduced.reset()
 
     # ---- state ------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -326,10 +360,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def runtime_bytes(self) -> int:
         """Bytes of the runtime's own buffers on this rank: flat param and grad buffers,
-        the all-to-all reduction's receive buffers (gloo) and the MXFP8 gather's (zero
-        rows when they reuse the grad buffer)."""
+        the all-to-all reduction's receive buffers (gloo), the MXFP8 gather's (only this
+        rank's row when it reuses the grad buffer) and the scratch that checks bf16/fp16 or
+        MXFP8 params for values written outside the optimizer."""
         ring = self.grad_sync.ring.nbytes if self.grad_sync.ring is not None else 0
-        return sum(b.nbytes for b in self.buffers) + ring + self.gather.nbytes
+        return sum(b.nbytes for b in self.buffers) + ring + self.gather.nbytes + self.param_watch.nbytes
 
     @property
     def state_bytes(self) -> int:
@@ -340,24 +375,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return total
 
 
+def _warn_no_gradients(dropped: list[int]) -> None:
+    if not dropped:
+        warnings.warn(
+            "fxzero: step() found no gradient since the previous step (step() consumes them, so a second "
+            "step() after one backward applies nothing, where torch.optim would apply the same gradients again); "
+            "the step was skipped (StepResult.reason == 'no_gradients')",
+            stacklevel=3,
+        )
+
+
 def _remove_handles(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
-
-
-def _check_leaves(group: dict[str, Any], group_index: int) -> None:
-    """Run before torch.optim's own check so the error names the param."""
-    if not isinstance(group, dict) or "params" not in group:
-        return
-    params = group["params"]
-    if isinstance(params, (torch.Tensor, tuple)):
-        params = [params]
-    group["params"] = params = list(params) if not isinstance(params, set) else params
-    for index, item in enumerate(params):
-        name, param = item if isinstance(item, tuple) else (None, item)
-        where = f"param {name!r}" if name else f"param_groups[{group_index}]['params'][{index}]"
-        if isinstance(param, torch.Tensor) and not param.is_leaf:
-            raise ValueError(f"{where} (shape {tuple(param.shape)}) is not a leaf tensor; an optimizer can only own leaf params")
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:

@@ -11,7 +11,9 @@ small first bucket, such as the embeddings, does not leave the second one late):
 * compiled graphs call ``fxzero::wait_params`` (inserted by
   :mod:`fxzero.passes.param_gather_wait`) before the first node that reads the bucket;
 * eager regions wait in forward pre-hooks of the modules that own managed params;
-* anything else (``state_dict()``, direct reads) calls :meth:`ParamSync.finish`.
+* anything else (``state_dict()``, direct reads) calls :meth:`ParamSync.finish`;
+  so does ``load_state_dict()``, so a gather still in flight never lands over values
+  it just loaded.
 
 **Order.** Buckets are laid out in reverse registration order, so the forward reads
 them in *descending* index order. Launches always follow that fixed order: waiting
@@ -59,6 +61,11 @@ class Gather(Protocol):
     def bytes_per_gather(self, index: int) -> int:
         """Bytes bucket ``index``'s all-gather outputs."""
 
+    def own_values(self, index: int, main: torch.Tensor, out: torch.Tensor) -> None:
+        """Write into ``out`` the values this rank's shard of bucket ``index``'s params
+        holds after the last :meth:`publish` (``main`` itself before the first), as
+        landed: what the shard still holds unless something wrote it since."""
+
 
 class PlainGather:
     """Gather each bucket's param shards into ``param_data`` in place."""
@@ -83,6 +90,9 @@ class PlainGather:
 
     def bytes_per_gather(self, index: int) -> int:
         return self.buckets[index].param_data.nbytes
+
+    def own_values(self, index: int, main: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(main)  # publish's own rounding
 
     nbytes = 0
 
@@ -183,7 +193,8 @@ class _WaitBeforeForward:
 
 def install_param_waits(module: torch.nn.Module, buckets: Sequence[Bucket], sync: ParamSync) -> list[Any]:
     """Forward pre-hooks on every submodule that owns managed params (waiting for their
-    buckets) and a ``state_dict`` pre-hook on ``module``; returns the hook handles."""
+    buckets) and ``state_dict`` / ``load_state_dict`` pre-hooks on ``module``; returns
+    the hook handles."""
     bucket_of = {id(p): b.index for b in buckets for p in b.params}
     owners = {}
     for sub in module.modules():
@@ -193,4 +204,5 @@ def install_param_waits(module: torch.nn.Module, buckets: Sequence[Bucket], sync
     hook = _WaitBeforeForward(sync, {key: indices for key, (_, indices) in owners.items()})
     handles = [sub.register_forward_pre_hook(hook) for sub, _ in owners.values()]
     handles.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: sync.finish()))
+    handles.append(module.register_load_state_dict_pre_hook(lambda *args, **kwargs: sync.finish()))
     return handles

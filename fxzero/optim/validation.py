@@ -6,12 +6,21 @@ or keyword at fault, so a bad call leaves the model exactly as it was.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["check_group_keys", "check_managed_params", "check_optimizer_kwargs", "layout_order", "tag_param_names"]
+__all__ = [
+    "check_first_order",
+    "check_group_keys",
+    "check_leaves",
+    "check_managed_params",
+    "check_optimizer_kwargs",
+    "layout_order",
+    "tag_param_names",
+]
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +127,32 @@ def tag_param_names(module: torch.nn.Module, params: Sequence[torch.nn.Parameter
     for name, param in module.named_parameters():
         if id(param) in managed:
             param._fxzero_name = name
+
+
+def check_first_order(optimizer_class: type) -> None:
+    """Optimizers whose ``step`` requires a closure (``torch.optim.LBFGS``) re-evaluate
+    the model between inner updates and take dot products over whole params; with each
+    rank holding 1/dp of every param neither can work, so they are refused up front."""
+    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        raise ValueError(
+            f"{optimizer_class.__name__}.step(closure) needs a closure that it calls repeatedly, re-evaluating the "
+            "model between its own inner updates and computing curvature over whole params; fxzero shards the "
+            "optimizer (each rank updates 1/dp of every param), so it cannot run it. Use "
+            f"{optimizer_class.__name__} with the plain model (or DDP), or a first-order optimizer (SGD, Adam, AdamW)."
+        )
+
+
+def check_leaves(group: dict[str, Any], group_index: int) -> None:
+    """Run before torch.optim's own check so the error names the param."""
+    if not isinstance(group, dict) or "params" not in group:
+        return
+    params = group["params"]
+    if isinstance(params, (torch.Tensor, tuple)):
+        params = [params]
+    group["params"] = params = list(params) if not isinstance(params, set) else params
+    for index, item in enumerate(params):
+        name, param = item if isinstance(item, tuple) else (None, item)
+        where = f"param {name!r}" if name else f"param_groups[{group_index}]['params'][{index}]"
+        if isinstance(param, torch.Tensor) and not param.is_leaf:
+            raise ValueError(f"{where} (shape {tuple(param.shape)}) is not a leaf tensor; an optimizer can only own leaf params")

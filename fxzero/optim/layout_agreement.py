@@ -1,0 +1,83 @@
+"""Every rank must lay out the same params the same way: checked once, at construction.
+
+Collectives move flat buckets by position. If ranks disagree on the params (another
+registration order, a shape, a dtype, a different ``Config``), a bucket's reduce-scatter
+silently adds rank 1's ``b.weight`` into rank 0's ``a.weight``, or a size mismatch kills
+a rank somewhere in gloo. :func:`check_ranks_agree` hashes this rank's layout
+description (params in layout order with name, shape, dtype and param group, plus the
+config that shapes the buckets), all-gathers the 32-byte digests (one small
+collective), and only when they differ gathers the descriptions themselves, so that
+every rank raises the same error, naming the first difference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .comm import DataParallelGroup
+
+__all__ = ["check_ranks_agree", "describe_layout"]
+
+Description = tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...]]
+
+
+def describe_layout(
+    layout: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], settings: tuple[Any, ...]
+) -> Description:
+    """``((name, shape, dtype, group, shared_embedding) per param in layout order), settings)``.
+    Names come from ``module=`` or from ``named_parameters()`` groups; else ``None``."""
+    group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
+    names = {id(p): n for group in groups for p, n in zip(group["params"], group.get("param_names") or ())}
+    params = tuple(
+        (
+            getattr(p, "_fxzero_name", None) or names.get(id(p)),
+            tuple(p.shape),
+            str(p.dtype),
+            group_of[id(p)],
+            bool(getattr(p, "shared_embedding", False)),
+        )
+        for p in layout
+    )
+    return params, tuple(str(s) for s in settings)
+
+
+def check_ranks_agree(dp: DataParallelGroup, description: Description, device: torch.device) -> None:
+    """Raise the same ``ValueError`` on every rank unless all ranks describe the same layout."""
+    if dp.size == 1:
+        return
+    digest = torch.frombuffer(bytearray(hashlib.sha256(repr(description).encode()).digest()), dtype=torch.uint8)
+    digests = torch.empty(dp.size * digest.numel(), dtype=torch.uint8, device=device)
+    dist.all_gather_single(digests, digest.to(device), group=dp.group)
+    if bool((digests.view(dp.size, -1) == digests[: digest.numel()]).all()):
+        return
+    every: list[Any] = [None] * dp.size
+    dist.all_gather_object(every, description, group=dp.group)
+    raise ValueError(_disagreement(every))
+
+
+def _disagreement(every: Sequence[Description]) -> str:
+    rank, other = next((r, d) for r, d in enumerate(every) if d != every[0])
+    first = every[0]
+    hint = (
+        "Every rank must build the same model and pass the same params, in the same order, with the same "
+        "fxzero.Config (and bucket-shaping options) to DistributedOptimizer."
+    )
+    if len(first[0]) != len(other[0]):
+        return f"fxzero: ranks disagree on the params: rank 0 has {len(first[0])}, rank {rank} has {len(other[0])}. {hint}"
+    for index, (mine, theirs) in enumerate(zip(first[0], other[0])):
+        if mine != theirs:
+            return (
+                f"fxzero: ranks disagree on param {index} of the bucket layout: rank 0 has {_param(mine)}, "
+                f"rank {rank} has {_param(theirs)}. {hint}"
+            )
+    return f"fxzero: ranks disagree on the layout settings: rank 0 has {first[1]}, rank {rank} has {other[1]}. {hint}"
+
+
+def _param(entry: tuple[Any, ...]) -> str:
+    name, shape, dtype, group, shared = entry
+    label = repr(name) if name else "an unnamed param"
+    return f"{label} (shape {list(shape)}, {dtype}, param group {group}{', shared_embedding' if shared else ''})"

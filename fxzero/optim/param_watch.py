@@ -1,0 +1,115 @@
+"""Params changed behind the optimizer's back, noticed before each update.
+
+Three things can silently break the link between the model's params and the
+optimizer after construction; :class:`ParamWatch` checks for them at the top of
+every ``step()``:
+
+* **moved or cast params** (``model.double()``, ``.half()``, ``.to(device)``,
+  ``param.data = t``): the param stops being a view of the flat buffer, so the step
+  would update memory the model no longer reads. Caught by comparing each param's
+  ``data_ptr()`` with the view's, and reported as an error naming the param.
+* **tensor hooks registered after a compiled graph that reads the param was built**:
+  that graph's backward hands the gradient to fxzero without running them. An error.
+* **values written** (``model.load_state_dict(pretrained)``, ``p.data.copy_``,
+  ``nn.init``) when the optimizer keeps separate fp32 masters (bf16/fp16 params, or the
+  MXFP8 gather): the update would start from the stale masters and write them back.
+  Each rank compares its own shard of every such bucket with what the optimizer last
+  put there (:meth:`~fxzero.optim.param_sync.Gather.own_values`) and adopts the values
+  that differ into its masters. Version counters would miss ``p.data`` writes (``.data``
+  has a counter of its own), so the check compares values: one copy and one comparison
+  of 1/dp of those buckets per step, the comparison on 8-byte words where the shard's
+  alignment allows (``torch.equal`` on CPU is ~5x faster on int64 words than on bf16
+  elements). fp32 params without MXFP8 *are* their masters and need no check.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+from .param_sync import Gather
+from .shards import BucketShard
+
+__all__ = ["ParamWatch"]
+
+log = logging.getLogger(__name__)
+
+
+class ParamWatch:
+    """Per-step checks that the params are still the ones the optimizer updates."""
+
+    def __init__(
+        self, params: Sequence[torch.nn.Parameter], shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: bytearray
+    ) -> None:
+        self.params, self.gather, self.rank = tuple(params), gather, rank
+        self._pointers = [p.data_ptr() for p in self.params]
+        self._compiled = compiled
+        self._separate = [s for s in shards if not s.main_is_param]
+        sizes: dict[torch.dtype, int] = {}
+        for shard in self._separate:
+            own = shard.bucket.param_shards[rank]
+            sizes[own.dtype] = max(sizes.get(own.dtype, 0), own.numel())
+        scratch = {dtype: torch.empty(n, dtype=dtype, device=self.params[0].device) for dtype, n in sizes.items()}
+        self.scratch = tuple(scratch.values())
+        """Where the expected values of a shard are rebuilt: one per param dtype, the largest shard's size."""
+        self._expected = [scratch[s.bucket.param_data.dtype][: s.main.numel()] for s in self._separate]
+        self._words = [(_words(e), _words(s.bucket.param_shards[rank])) for e, s in zip(self._expected, self._separate)]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.scratch)
+
+    def check(self) -> None:
+        """Raise if a param was moved, cast or rebound, or got tensor hooks too late."""
+        for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
+            if param.data_ptr() != pointer:
+                raise RuntimeError(_moved_message(slot, param))
+            if param._backward_hooks and self._compiled[slot]:
+                raise RuntimeError(_late_hook_message(slot, param))
+
+    def adopt_outside_writes(self) -> None:
+        """Masters take every value of this rank's shards written outside the optimizer."""
+        for shard, expected, (expected_words, current_words) in zip(self._separate, self._expected, self._words):
+            self.gather.own_values(shard.bucket.index, shard.main, expected)
+            if not torch.equal(expected_words, current_words):
+                current = shard.bucket.param_shards[self.rank]
+                changed = expected.ne(current)
+                shard.main[changed] = current[changed].to(shard.main.dtype)
+                log.info(
+                    "bucket %d: %d values written outside the optimizer taken into its fp32 masters",
+                    shard.bucket.index,
+                    int(changed.sum()),
+                )
+
+
+def _words(values: torch.Tensor) -> torch.Tensor:
+    """``values``' bytes as the widest integers its size and offset allow (a view)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        try:
+            return values.view(dtype)
+        except RuntimeError:
+            continue
+    return values.view(torch.uint8)
+
+
+def _label(slot: int, param: torch.Tensor) -> str:
+    return repr(getattr(param, "_fxzero_name", None) or f"params[{slot}]")
+
+
+def _moved_message(slot: int, param: torch.Tensor) -> str:
+    return (
+        f"fxzero: param {_label(slot, param)} (now {param.dtype} on {param.device}) is no longer a view of the "
+        "optimizer's flat buffer: the model was cast or moved (model.double()/.half()/.to(...)) or `param.data` "
+        "was replaced after DistributedOptimizer was built, so step() could not update it. Move and cast the "
+        "model first, then build the optimizer."
+    )
+
+
+def _late_hook_message(slot: int, param: torch.Tensor) -> str:
+    return (
+        f"fxzero: param {_label(slot, param)} got a tensor hook (register_hook) after a compiled graph reading it "
+        "was built; that graph's backward hands its gradient to fxzero without running the hook. Register "
+        "hooks before the first compiled call (or call torch.compiler.reset() after registering them)."
+    )

@@ -1,0 +1,183 @@
+"""This step's reduced gradients: finished once, measured once, scaled once.
+
+Between backward and the update, gradients are read (the global norm ``step()``
+reports and clips by; ``torch.nn.utils.clip_grad_norm_`` and ``GradScaler`` through
+``p.grad``, see :mod:`fxzero.optim.grad_views`) and scaled (clipping, unscaling).
+Everything needs this rank's shards holding the average over ranks, so
+:meth:`ReducedGrads.finish` waits for the step's reduce-scatters once, and the first
+read all-reduces, once per step, one small fp64 vector: a "got a gradient" count per
+param and each param's squared norm over this rank's fragments (padding excluded).
+Clipping by hand and then calling ``step()`` therefore communicates once.
+
+Scaling is recorded per param (a Python float each) and applied once, by
+:meth:`ReducedGrads.apply` in ``step()``: torch's clipping multiplies every gradient by
+the same factor, which becomes one ``_foreach_mul_`` over the shards; different
+factors per param multiply the fragments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Iterable, Iterator, Sequence
+
+import torch
+
+from .._torch_compat import foreach_mul_, foreach_norm
+from .comm import DataParallelGroup
+from .grad_sync import GradSync
+from .shards import BucketShard, FragmentTensor
+
+__all__ = ["ReducedGrads"]
+
+
+class ReducedGrads:
+    """This rank's averaged gradient fragments, per-param global statistics and scales."""
+
+    def __init__(
+        self, sync: GradSync, shards: Sequence[BucketShard], fragments: Sequence[FragmentTensor], dp: DataParallelGroup
+    ) -> None:
+        self.sync, self.shards, self.fragments, self.dp = sync, tuple(shards), tuple(fragments), dp
+        self.num_params = n = len(sync.params)
+        device = sync.params[0].device
+        self._grads = [f.grad for f in fragments]
+        self._shard_grads = [s.main_grad for s in shards]
+        self._slot_list = [f.slot for f in fragments]
+        self._slots = torch.tensor(self._slot_list, dtype=torch.int64, device=device)
+        self._of_slot: list[list[FragmentTensor]] = [[] for _ in range(n)]
+        for frag in fragments:
+            self._of_slot[frag.slot].append(frag)
+        self._stats = torch.zeros(2 * n, dtype=torch.float64, device=device)
+        self._scale = [1.0] * n
+        self._scaled = False
+        self.reset()
+
+    def reset(self) -> None:
+        """The gradients were consumed or zeroed: nothing finished, measured or scaled."""
+        self._finished = False
+        self._got: list[bool] = []
+        self._squares: list[float] = []
+        if self._scaled:
+            self._scale = [1.0] * self.num_params
+            self._scaled = False
+
+    def finish(self) -> None:
+        """Wait for this step's reductions; fp32 copies of 16-bit grad shards."""
+        if self._finished:
+            return
+        self.sync.finish()
+        for shard in self.shards:
+            if not shard.main_grad_is_grad:
+                shard.main_grad.copy_(shard.bucket.grad_shards[self.dp.rank])
+        self._finished = True
+
+    def _measure(self) -> None:
+        """One all-reduce: per-param presence counts and squared norms."""
+        if self._squares:
+            return
+        self.finish()
+        n, stats = self.num_params, self._stats
+        stats[:n].copy_(self.sync.presence_tensor)
+        stats[n:].zero_()
+        if self._grads:
+            # per-fragment norms in fp32 (as clip_grad_norm_ does; fp64 elements cost 16x), summed in fp64
+            squares = torch.stack(foreach_norm(self._grads, 2)).double().square()
+            stats[n:].index_add_(0, self._slots, squares)
+        self.dp.all_reduce_sum(stats)
+        values = stats.tolist()
+        self._got, self._squares = [v > 0 for v in values[:n]], values[n:]
+
+    # ---- reads -------------------------------------------------------------------
+    def norms(self, slots: Sequence[int], ord: float = 2.0) -> list[float]:
+        """Global ``ord``-norms of params ``slots``' averaged gradients, scales included."""
+        if ord == 2.0:
+            self._measure()
+            return [math.sqrt(self._squares[s]) * abs(self._scale[s]) for s in slots]
+        values = self._other_norms(float(ord))
+        return [values[s] * abs(self._scale[s]) for s in slots]
+
+    def _other_norms(self, ord: float) -> list[float]:
+        if not (ord == math.inf or ord > 0):
+            raise ValueError(f"fxzero: gradient norms of order {ord} are not supported; use 2, inf or a p > 0")
+        self.finish()
+        values = torch.zeros(self.num_params, dtype=torch.float64, device=self._stats.device)
+        if self._grads:
+            norms = torch.stack(foreach_norm(self._grads, ord)).double()
+            if ord == math.inf:
+                values.scatter_reduce_(0, self._slots, norms, "amax")
+            else:
+                values.index_add_(0, self._slots, norms.pow(ord))
+        if ord == math.inf:
+            self.dp.all_reduce_max(values)
+            return values.tolist()
+        self.dp.all_reduce_sum(values)
+        return values.pow(1.0 / ord).tolist()
+
+    def total_norm(self, dropped: Iterable[int] = ()) -> float:
+        """Global L2 norm over every param except ``dropped`` (what ``step()`` clips by)."""
+        self._measure()
+        skip = set(dropped)
+        if not self._scaled and not skip:
+            return math.sqrt(sum(self._squares))
+        return math.sqrt(
+            sum(q * self._scale[s] ** 2 for s, q in enumerate(self._squares) if s not in skip)
+        )
+
+    def absent(self, dropped: Iterable[int] = ()) -> list[int]:
+        """Params that got no gradient on any rank, plus ``dropped``."""
+        self._measure()
+        skip = set(dropped)
+        return [s for s, got in enumerate(self._got) if not got or s in skip]
+
+    # ---- writes ------------------------------------------------------------------
+    def clip(self, max_norm: float, ord: float = 2.0) -> float:
+        """Scale every gradient by ``clip_grad_norm_``'s factor for the global ``ord``-norm
+        over all params; returns that norm (before clipping)."""
+        norms = torch.tensor(self.norms(range(self.num_params), ord), dtype=torch.float64)
+        total = float(torch.linalg.vector_norm(norms, ord))
+        self.scale(range(self.num_params), min(1.0, max_norm / (total + 1e-6)))
+        return total
+
+    def scale(self, slots: Iterable[int], factor: float) -> None:
+        """Multiply params ``slots``' gradients by ``factor`` (applied in :meth:`apply`)."""
+        if factor == 1.0:
+            return
+        for slot in slots:
+            self._scale[slot] *= factor
+        self._scaled = True
+
+    def zero(self, slots: Sequence[int]) -> None:
+        """Set params ``slots``' gradients to zero (they still count as present)."""
+        self.finish()
+        for slot in slots:  # model.zero_grad(set_to_none=False): one call per param anyway
+            for frag in self._of_slot[slot]:
+                frag.grad.zero_()
+        for slot in slots:
+            self._scale[slot] = 1.0
+            if self._squares:
+                self._squares[slot] = 0.0
+
+    def apply(self, factor: float = 1.0) -> None:
+        """Multiply every gradient by its recorded scale times ``factor``."""
+        if not self._scaled:
+            if factor != 1.0:
+                foreach_mul_(self._shard_grads, factor)
+            return
+        scales = [s * factor for s in self._scale]
+        if all(s == scales[0] for s in scales):
+            foreach_mul_(self._shard_grads, scales[0])
+        else:
+            foreach_mul_(self._grads, [scales[s] for s in self._slot_list])
+
+    @contextlib.contextmanager
+    def hidden(self, slots: Sequence[int]) -> Iterator[None]:
+        """Give params ``slots``' fragments ``grad=None``, as torch.optim expects of params
+        without a gradient, so zeros in the flat buffer never decay or move them."""
+        hidden = [frag for slot in slots for frag in self._of_slot[slot]]
+        for frag in hidden:
+            frag.param.grad = None
+        try:
+            yield
+        finally:
+            for frag in hidden:
+                frag.param.grad = frag.grad
