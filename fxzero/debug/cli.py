@@ -25,66 +25,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.util
 import sys
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from ..config import Config
+from .target import TargetError, load_target
 
 __all__ = ["main"]
 
 _DEFAULT_FUNCTION = "fxzero_explain"
-
-
-class TargetError(ValueError):
-    """TARGET cannot be loaded or returned something explain cannot use."""
-
-
-def _import_file(path: Path) -> Any:
-    if path.is_dir():
-        raise TargetError(
-            f"TARGET {str(path)!r} is a directory; TARGET must be a Python file (path/to/file.py[:function]) "
-            "or an importable module (package.module[:function])"
-        )
-    if not path.is_file():
-        raise TargetError(f"TARGET file {str(path)!r} does not exist")
-    sys.path.insert(0, str(path.resolve().parent))  # so the file's own imports resolve
-    name = f"_fxzero_explain_target_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise TargetError(f"TARGET file {str(path)!r} cannot be loaded as Python")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it runs
-    spec.loader.exec_module(module)
-    return module
-
-
-def _import_module(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name is not None and (name == error.name or name.startswith(error.name + ".")):
-            raise TargetError(f"TARGET module {name!r} not found (give a .py path or an importable module)") from error
-        raise
-
-
-def load_target(target: str) -> Callable[[], Any]:
-    """The factory function that ``target`` (``file.py[:fn]`` / ``module[:fn]``) names."""
-    location, _, function = target.partition(":")
-    function = function or _DEFAULT_FUNCTION
-    is_file = location.endswith(".py") or "/" in location or "\\" in location
-    module = _import_file(Path(location)) if is_file else _import_module(location)
-    factory = getattr(module, function, None)
-    if not callable(factory):
-        raise TargetError(
-            f"TARGET {target!r}: {location} has no function {function!r}; "
-            f"define {function}() returning (model, example_inputs[, optimizer]) or name one as {location}:FUNCTION"
-        )
-    return factory
 
 
 def unpack(result: Any, name: str) -> tuple[torch.nn.Module, tuple[Any, ...], Optional[Any]]:
@@ -188,7 +139,7 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     from .explain import explain
 
     with _fake_group(args.world_size, parser):
-        factory = load_target(args.target)
+        factory = load_target(args.target, _DEFAULT_FUNCTION, "(model, example_inputs[, optimizer])")
         model, inputs, optimizer = unpack(factory(), getattr(factory, "__name__", args.target))
         if optimizer is None:
             optimizer = _optimizer(model, args)
