@@ -9,6 +9,7 @@ from ._torch_compat import register_torch_log
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, default_bucket_size
 from .debug.explain import explain
+from .debug.parity import ParityReport, parity
 from .optim import (
     Bucket,
     BucketPlan,
@@ -46,6 +47,7 @@ __all__ = [
     "DistributedOptimizer",
     "Fragment",
     "ParamAndGradBuffer",
+    "ParityReport",
     "ShardedGrad",
     "StepResult",
     "default_bucket_size",
@@ -53,6 +55,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "mxfp8",
+    "parity",
     "plan_buckets",
     "save_checkpoint",
     "shard_buffer",

@@ -14,9 +14,11 @@ from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+import torch.nn as nn
 
 __all__ = [
     "aot_autograd",
+    "batch_norm_base",
     "compile_id",
     "current_graph_task_id",
     "dynamo_input_names",
@@ -290,3 +292,17 @@ def process_group_store(group: Optional[dist.ProcessGroup]) -> dist.Store:
 foreach_add_: Callable[..., Any] = torch._foreach_add_
 foreach_mul_: Callable[..., Any] = torch._foreach_mul_
 foreach_norm: Callable[..., Any] = torch._foreach_norm
+
+
+def batch_norm_base() -> type[nn.Module]:
+    """The base class of every batch norm (``BatchNorm1d/2d/3d``, their lazy forms,
+    ``SyncBatchNorm`` and user subclasses).
+
+    What for: ``fxzero parity`` flags batch norms in train mode (per-rank statistics make
+    N ranks incomparable to a global-batch reference). Uses
+    ``torch.nn.modules.batchnorm._BatchNorm`` (a private name). If torch moves it: the
+    tuple of the public classes above, which misses user subclasses of the base.
+    """
+    from torch.nn.modules.batchnorm import _BatchNorm
+
+    return _BatchNorm

@@ -21,6 +21,7 @@ collective also raises on its own.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import faulthandler
 import pickle
@@ -197,4 +198,9 @@ def close_pools() -> None:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+# Stop idle ranks politely at exit (``fxzero.parity`` leaves its pool for the next call):
+# left to multiprocessing's own exit handler, their queues' semaphores leak with a warning.
+atexit.register(close_pools)
 

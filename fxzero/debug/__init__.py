@@ -1,2 +1,3 @@
 """Seeing what fxzero did: graph dumps (:mod:`.dump`), :func:`fxzero.explain` (:mod:`.explain`,
-rendered by :mod:`.explain_format`) and the ``python -m fxzero`` command line (:mod:`.cli`)."""
+rendered by :mod:`.explain_format`) and the ``python -m fxzero`` command line (:mod:`.cli`,
+its TARGETs loaded by :mod:`.target`)."""

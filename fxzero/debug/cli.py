@@ -25,66 +25,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
-import importlib.util
 import sys
-from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
 from ..config import Config
+from .parity import cli as parity_cli
+from .target import TargetError, load_target
 
 __all__ = ["main"]
 
 _DEFAULT_FUNCTION = "fxzero_explain"
-
-
-class TargetError(ValueError):
-    """TARGET cannot be loaded or returned something explain cannot use."""
-
-
-def _import_file(path: Path) -> Any:
-    if path.is_dir():
-        raise TargetError(
-            f"TARGET {str(path)!r} is a directory; TARGET must be a Python file (path/to/file.py[:function]) "
-            "or an importable module (package.module[:function])"
-        )
-    if not path.is_file():
-        raise TargetError(f"TARGET file {str(path)!r} does not exist")
-    sys.path.insert(0, str(path.resolve().parent))  # so the file's own imports resolve
-    name = f"_fxzero_explain_target_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise TargetError(f"TARGET file {str(path)!r} cannot be loaded as Python")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while it runs
-    spec.loader.exec_module(module)
-    return module
-
-
-def _import_module(name: str) -> Any:
-    try:
-        return importlib.import_module(name)
-    except ModuleNotFoundError as error:
-        if error.name is not None and (name == error.name or name.startswith(error.name + ".")):
-            raise TargetError(f"TARGET module {name!r} not found (give a .py path or an importable module)") from error
-        raise
-
-
-def load_target(target: str) -> Callable[[], Any]:
-    """The factory function that ``target`` (``file.py[:fn]`` / ``module[:fn]``) names."""
-    location, _, function = target.partition(":")
-    function = function or _DEFAULT_FUNCTION
-    is_file = location.endswith(".py") or "/" in location or "\\" in location
-    module = _import_file(Path(location)) if is_file else _import_module(location)
-    factory = getattr(module, function, None)
-    if not callable(factory):
-        raise TargetError(
-            f"TARGET {target!r}: {location} has no function {function!r}; "
-            f"define {function}() returning (model, example_inputs[, optimizer]) or name one as {location}:FUNCTION"
-        )
-    return factory
 
 
 def unpack(result: Any, name: str) -> tuple[torch.nn.Module, tuple[Any, ...], Optional[Any]]:
@@ -120,16 +72,41 @@ def _bucket_size(text: str) -> Union[int, str]:
     return value
 
 
-def _world_size(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"--world-size must be a whole number >= 1, got {text!r}")
-    return value
+def _whole(flag: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        value = int(text) if text.isdigit() else 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"{flag} must be a whole number >= 1, got {text!r}")
+        return value
+
+    return parse
+
+
+_world_size = _whole("--world-size")
+
+
+def _tolerance(flag: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = -1.0
+        if not 0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"{flag} must be a finite number >= 0, got {text!r}")
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m fxzero", description="fxzero command line")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _explain_parser(commands)
+    _parity_parser(commands)
+    return parser
+
+
+def _explain_parser(commands: Any) -> None:
     explain = commands.add_parser(
         "explain",
         help="compile a model without training; print buckets, rewritten graphs and schedule",
@@ -156,7 +133,24 @@ def _parser() -> argparse.ArgumentParser:
     explain.add_argument(
         "--dump-dir", default=None, help="also write every graph before/after each pass, diffs and summary.json here"
     )
-    return parser
+
+
+def _parity_parser(commands: Any) -> None:
+    parity = commands.add_parser(
+        "parity",
+        help="train a model with fxzero on N ranks and eagerly in one process; compare",
+        description=parity_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parity.add_argument("target", metavar="TARGET", help="file.py[:function] or package.module[:function]")
+    parity.add_argument("--world-size", type=_world_size, default=2, help="gloo ranks on this machine (default 2)")
+    parity.add_argument("--steps", type=_whole("--steps"), default=5, help="optimizer steps compared (default 5)")
+    parity.add_argument("--inner-compiler", choices=("inductor", "eager"), default="inductor", help="default inductor")
+    parity.add_argument("--bucket-size", type=_bucket_size, default="auto", help="elements per bucket (default auto)")
+    parity.add_argument("--mxfp8", action="store_true", help="gather params as MXFP8 (Config.mxfp8_param_gather)")
+    for flag in ("--atol-loss", "--atol-param"):
+        parity.add_argument(flag, type=_tolerance(flag), default=None, help="default: 10x the noise floor")
+    parity.add_argument("--timeout", type=_whole("--timeout"), default=600, help="seconds per rank run (default 600)")
 
 
 def _optimizer(model: torch.nn.Module, args: argparse.Namespace) -> Any:
@@ -188,7 +182,7 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     from .explain import explain
 
     with _fake_group(args.world_size, parser):
-        factory = load_target(args.target)
+        factory = load_target(args.target, _DEFAULT_FUNCTION, "(model, example_inputs[, optimizer])")
         model, inputs, optimizer = unpack(factory(), getattr(factory, "__name__", args.target))
         if optimizer is None:
             optimizer = _optimizer(model, args)
@@ -202,6 +196,8 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "parity":
+        return parity_cli.run(args, parser)
     try:
         text = _explain(args, parser)
     except TargetError as error:

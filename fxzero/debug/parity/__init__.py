@@ -1,0 +1,70 @@
+"""``fxzero.parity``: does fxzero train *this* model exactly as plain PyTorch does?
+
+Why: a new model is where a distributed backend breaks (a stale param read under
+Inductor's fusion was found on a real model, not by the test suite), and the user who
+brings it has no way to ask. This trains the model with fxzero as a user would
+(``DistributedOptimizer(..., module=model)`` and ``torch.compile(backend="fxzero")``)
+on N gloo ranks, each on its slice of every global batch, and compares it with plain
+single-process eager training on the whole batch, step by step, against the noise
+floor of eager training itself. It also reruns fxzero without prefetching param
+gathers (the results must be bitwise identical) and checks that all ranks hold the
+same params. Modules in ``plan`` decide, ``reference`` and ``ranks`` run, ``report``
+compares and judges, ``report_format`` prints.
+
+Limits: the ranks run on CPU with gloo (:mod:`fxzero.testing`); there is no NCCL/GPU
+path yet, so models and batches must be on the CPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch.nn as nn
+
+from .plan import ParityError, ParityOptions
+from .report import ParityReport
+from .run import check
+
+__all__ = ["ParityError", "ParityOptions", "ParityReport", "parity"]
+
+
+def parity(
+    model: nn.Module,
+    batch_fn: Callable[[int], Any],
+    optimizer_factory: Optional[Callable[..., Any]] = None,
+    *,
+    world_size: int = 2,
+    steps: int = 5,
+    inner_compiler: Literal["inductor", "eager"] = "inductor",
+    bucket_size: Union[int, Literal["auto"], None] = "auto",
+    mxfp8: bool = False,
+    atol_loss: Optional[float] = None,
+    atol_param: Optional[float] = None,
+    timeout: float = 600.0,
+) -> ParityReport:
+    """Train ``model`` with fxzero on ``world_size`` ranks and eagerly in this process;
+    compare (``print(report)``; ``report.verdict`` is ``"PASS"``, ``"FAIL"`` or
+    ``"NOT COMPARABLE"``).
+
+    ``model(*batch)`` returns the scalar loss, a mean over the batch. ``batch_fn(step)``
+    returns the *global* batch of ``step`` as a tuple of tensors (or one tensor); rank r
+    takes slice r of ``world_size`` equal slices along dim 0. ``optimizer_factory(params)``
+    builds the plain ``torch.optim`` optimizer to wrap (default AdamW, lr 1e-3).
+    ``atol_loss`` / ``atol_param`` replace the default tolerances (10x the noise floor).
+
+    ``model`` is not changed: the reference trains copies, and the ranks get it by
+    pickle, so its class must be importable by name in a fresh process (defined at
+    module level; in a script, under ``if __name__ == "__main__":``).
+    ``python -m fxzero parity TARGET`` has no such need: its ranks call TARGET's function.
+    """
+    options = ParityOptions(
+        world_size=world_size,
+        steps=steps,
+        inner_compiler=inner_compiler,
+        bucket_size=bucket_size,
+        mxfp8=mxfp8,
+        atol_loss=atol_loss,
+        atol_param=atol_param,
+        timeout=timeout,
+    )
+    return check(model, batch_fn, optimizer_factory, options)
