@@ -17,12 +17,26 @@ __all__ = ["Config", "default_bucket_size"]
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def default_bucket_size(dp_size: int) -> int:
-    """Megatron-LM's default bucket size in elements: ``max(40e6, 1e6 * dp_size)``.
+GLOO_BUCKET_SIZE = 4_000_000
+"""Elements per bucket on gloo (see :func:`default_bucket_size`)."""
 
-    Larger data-parallel groups get larger buckets so that each rank's shard of a
-    bucket (bucket / dp) does not shrink below the size where collectives are efficient.
+
+def default_bucket_size(dp_size: int, backend: str = "nccl") -> int:
+    """The default bucket size in elements for ``dp_size`` ranks on ``backend``.
+
+    NCCL (and every backend but gloo): Megatron-LM's ``max(40e6, 1e6 * dp_size)``. Its
+    reduce-scatter and all-gather run in place in the buckets (no scratch at any size),
+    and a collective reaches bus bandwidth only when each rank's shard is large, so larger
+    groups get larger buckets.
+
+    gloo: :data:`GLOO_BUCKET_SIZE` (4M elements, 16 MiB of fp32) at any ``dp_size``. Its
+    collectives need no scratch either (fxzero gathers by per-rank broadcasts and reduces by
+    a chunked all-to-all), and a 1M-element all-to-all already costs ~10x gloo's fixed
+    per-collective cost, so the bucket size only decides when a bucket can launch: a 40M
+    bucket holds a whole small model, which then launches only when backward ends.
     """
+    if backend == "gloo":
+        return GLOO_BUCKET_SIZE
     return max(40_000_000, 1_000_000 * dp_size)
 
 
@@ -31,10 +45,12 @@ class Config:
     """Options of :class:`fxzero.DistributedOptimizer` (and, later, the compiler passes)."""
 
     bucket_size: Union[int, Literal["auto"], None] = "auto"
-    """Elements per gradient bucket before it closes. ``"auto"`` is Megatron's default,
-    ``max(40_000_000, 1_000_000 * dp_size)``; ``None`` puts every param of a dtype group
-    in one bucket. Smaller buckets start reduce-scatters earlier in backward (more
-    overlap) at the cost of more, smaller collectives."""
+    """Elements per gradient bucket before it closes. ``"auto"`` is
+    :func:`default_bucket_size`: Megatron's ``max(40_000_000, 1_000_000 * dp_size)`` on
+    NCCL, 4M elements on gloo; ``None`` puts every param of a dtype group in one bucket.
+    Smaller buckets start reduce-scatters earlier in backward (more overlap) at the cost
+    of more, smaller collectives. No scratch memory grows with it (with the default
+    collectives and fp32 params)."""
 
     pad_for_high_busbw: bool = False
     """Pad every bucket to a multiple of ``lcm(dp, 128, 2**16)`` instead of
@@ -119,9 +135,9 @@ class Config:
             if not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
                 raise ValueError(f"Config.clip_grad must be a finite number > 0, got {self.clip_grad!r}")
 
-    def resolved_bucket_size(self, dp_size: int) -> Optional[int]:
-        """The bucket size in elements for a data-parallel group of ``dp_size`` ranks."""
-        return default_bucket_size(dp_size) if self.bucket_size == "auto" else self.bucket_size
+    def resolved_bucket_size(self, dp_size: int, backend: str = "nccl") -> Optional[int]:
+        """The bucket size in elements for a data-parallel group of ``dp_size`` ranks on ``backend``."""
+        return default_bucket_size(dp_size, backend) if self.bucket_size == "auto" else self.bucket_size
 
     @property
     def shard_multiple(self) -> int:

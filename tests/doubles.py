@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.distributed as dist
 
@@ -16,15 +18,15 @@ class DeferredGather:
     launches = 0
     """Gathers launched since the counter was last reset (class-wide)."""
 
-    def __init__(self, dp: DataParallelGroup, output: torch.Tensor, input: torch.Tensor) -> None:
-        self.dp, self.output, self.input = dp, output, input
+    def __init__(self, dp: DataParallelGroup, output: torch.Tensor, shards: Sequence[torch.Tensor]) -> None:
+        self.dp, self.output, self.input = dp, output, shards[dp.rank]
 
     def wait(self) -> bool:
         dist.all_gather_single(self.output, self.input, group=self.dp.group)
         return True
 
 
-def deferred_all_gather(dp: DataParallelGroup, output: torch.Tensor, input: torch.Tensor) -> DeferredGather:
+def deferred_all_gather(dp: DataParallelGroup, output: torch.Tensor, shards: Sequence[torch.Tensor]) -> DeferredGather:
     """Drop-in for ``DataParallelGroup.all_gather_async`` (patch it with ``mock.patch.object``)."""
     DeferredGather.launches += 1
-    return DeferredGather(dp, output, input)
+    return DeferredGather(dp, output, shards)

@@ -80,30 +80,59 @@ def test_optimizer_groups_params_by_dtype_into_buffers() -> None:
     assert opt.shards[1].main.dtype == torch.float32
 
 
-def test_receive_ring_takes_turns_in_two_buffers_sized_for_the_largest_bucket() -> None:
-    from fxzero.optim.buffers import ReceiveRing
-
-    params = make_params((200,), (64,), (300,), (8,), (200,))
-    plan = plan_buckets(params, dp_size=4, bucket_size=150)
-    buckets = ParamAndGradBuffer(params, plan, grad_dtype=torch.bfloat16).buckets
-    assert len(buckets) >= 3
-    ring = ReceiveRing(buckets, dp_size=4)
-    largest = max(b.grad_data.nbytes for b in buckets)
-    assert ring.slots == 2 and ring.nbytes == 2 * largest
-    starts = [v.data_ptr() for v in ring.views]
-    for i, (bucket, view, rows) in enumerate(zip(buckets, ring.views, ring.rows)):
-        assert view.dtype == torch.bfloat16 and view.shape == (4, bucket.grad_shards[0].numel())
-        assert starts[i] == starts[i % 2] and (i < 2 or starts[i] != starts[1 - i % 2])
-        assert [r.data_ptr() for r in rows] == [view[r].data_ptr() for r in range(4)]
-    assert len(ReceiveRing(buckets[:1], dp_size=4).views) == 1  # one bucket: one buffer
-    with pytest.raises(ValueError, match="slots"):
-        ReceiveRing(buckets, dp_size=4, slots=0)
-
-
-def test_sum_received_adds_rows_in_rank_order_into_the_shard() -> None:
+def _exchange(dp_size: int, rank: int, chunk_bytes: int, slots: int = 2):
     from fxzero.optim.comm import DataParallelGroup
+    from fxzero.optim.grad_exchange import GradExchange
 
-    rows = torch.arange(12.0).view(3, 4).unbind(0)
-    shard = torch.full((4,), 99.0)
-    DataParallelGroup.sum_received(shard, rows)
-    assert shard.tolist() == [12.0, 15.0, 18.0, 21.0]
+    params = make_params((200,), (64,), (3000,), (8,), (200,))
+    plan = plan_buckets(params, dp_size=dp_size, bucket_size=150)
+    buckets = ParamAndGradBuffer(params, plan, grad_dtype=torch.bfloat16).buckets
+    dp = DataParallelGroup(None, dp_size, rank, "all_to_all")
+    return buckets, GradExchange(buckets, dp, chunk_bytes=chunk_bytes, slots=slots)
+
+
+def test_exchange_scratch_is_its_slots_whatever_the_bucket_sizes() -> None:
+    buckets, small = _exchange(4, 2, chunk_bytes=256)
+    largest = max(b.grad_data.nbytes for b in buckets)
+    assert largest > 2 * 3 * 256  # the old receive buffers: two of the largest bucket
+    assert small.nbytes == 2 * 3 * 256  # slots x (dp - 1) rows x chunk bytes
+    _, one_slot = _exchange(4, 2, chunk_bytes=256, slots=1)
+    assert one_slot.nbytes == 3 * 256
+    with pytest.raises(ValueError, match="slots"):
+        _exchange(4, 2, chunk_bytes=256, slots=0)
+
+
+def test_exchange_chunks_send_views_of_the_buffer_and_receive_into_the_slots() -> None:
+    buckets, ex = _exchange(4, 2, chunk_bytes=256)
+    slots = [m.data_ptr() for m in ex._memory]
+    for bucket, chunks in zip(buckets, ex.chunks):
+        own = bucket.grad_shards[2]
+        assert sum(c.own.numel() for c in chunks) == own.numel()
+        assert all(c.own.numel() <= 128 for c in chunks)  # 256 bytes of bf16
+        for chunk in chunks:
+            offset = chunk.own.data_ptr() - own.data_ptr()
+            # round s sends rank (2 + s) % 4 the same range of its shard, a view of the bucket
+            sent_to = [(2 + s) % 4 for s in range(1, 4)]
+            assert [v.data_ptr() - bucket.grad_shards[q].data_ptr() for (v, _), q in zip(chunk.sends, sent_to)] == [offset] * 3
+            assert [splits for _, splits in chunk.sends] == [[0] * q + [chunk.own.numel()] + [0] * (3 - q) for q in sent_to]
+            for slot, rows in enumerate(chunk.receives):
+                assert {v.untyped_storage().data_ptr() for v, _ in rows} == {ex._memory[slot].data_ptr()}
+            # rows in rank order: from ranks 0, 1 (before this rank, 2), then 3
+            received_from = [(2 - s) % 4 for s in range(1, 4)]
+            assert chunk.before == 2
+            assert [r.data_ptr() for r in chunk.rows[0]] == [chunk.receives[0][received_from.index(q)][0].data_ptr() for q in (0, 1, 3)]
+    assert len(set(slots)) == 2
+
+
+def test_exchange_sums_in_rank_order_in_place() -> None:
+    from fxzero.optim.grad_exchange import _sum_in_rank_order
+
+    # float32 addition is not associative here: only rank order gives (1e8 + 1) - 1e8 + 1 = 1 ... exactly
+    copies = [torch.tensor([1e8], dtype=torch.float32), torch.tensor([1.0]), torch.tensor([-1e8]), torch.tensor([1.0])]
+    expected = ((copies[0] + copies[1]) + copies[2]) + copies[3]
+    for rank in range(4):
+        own = copies[rank].clone()
+        rows = [copies[q].clone() for q in range(4) if q != rank]
+        _sum_in_rank_order(own, rows, before=rank)
+        assert own.item() == expected.item(), rank
+    assert ((copies[0] + copies[2]) + (copies[1] + copies[3])).item() != expected.item()  # the order matters

@@ -60,6 +60,13 @@ def test_high_busbw_padding_takes_the_lcm_not_the_product() -> None:
 def test_default_bucket_size_is_megatrons() -> None:
     assert fxzero.default_bucket_size(8) == 40_000_000
     assert fxzero.default_bucket_size(64) == 64_000_000
+    assert fxzero.default_bucket_size(64, "nccl") == fxzero.Config().resolved_bucket_size(64, "nccl") == 64_000_000
+
+
+def test_default_bucket_size_on_gloo_is_4m_elements_at_any_world_size() -> None:
+    assert [fxzero.default_bucket_size(dp, "gloo") for dp in (1, 2, 64)] == [4_000_000] * 3
+    assert fxzero.Config().resolved_bucket_size(2, "gloo") == 4_000_000
+    assert fxzero.Config(bucket_size=123).resolved_bucket_size(2, "gloo") == 123
     assert fxzero.Config().resolved_bucket_size(128) == 128_000_000
     assert fxzero.Config(bucket_size=None).resolved_bucket_size(8) is None
 

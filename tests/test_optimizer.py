@@ -249,7 +249,7 @@ def _hot_path_allocations(grad_collective: str) -> dict:
         dist, "all_gather_single", _no_op_collective
     ), mock.patch.object(dist, "all_reduce", _no_op_collective), mock.patch.object(
         dist, "all_to_all_single", _no_op_collective
-    ):
+    ), mock.patch.object(dist, "broadcast", _no_op_collective):
         comm_path()
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             comm_path()

@@ -8,12 +8,14 @@ make the two mathematically identical, so only float rounding may differ.
 from __future__ import annotations
 
 import contextlib
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import fxzero
+from fxzero.optim import grad_exchange
 from fxzero.testing import run_ranks
 
 from models import batch, build, loss_fn, param_groups
@@ -25,11 +27,18 @@ CLIP = 0.5
 BUCKET = 2000  # elements: several buckets for both models
 
 
-def _train_distributed(name: str, bucket_size: int, steps: int = STEPS, grad_collective: str = "auto") -> dict:
+def _train_distributed(
+    name: str, bucket_size: int, steps: int = STEPS, grad_collective: str = "auto", chunk_bytes: int | None = None
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(name)
     config = fxzero.Config(bucket_size=bucket_size, clip_grad=CLIP, grad_collective=grad_collective)
-    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
+    with contextlib.ExitStack() as small:
+        if chunk_bytes is not None:  # chunks of a few elements: every bucket turns the receive slots many times
+            small.enter_context(mock.patch.object(grad_exchange, "CHUNK_BYTES", chunk_bytes))
+            small.enter_context(mock.patch.object(grad_exchange, "SLOTS", 2))
+        opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
+    retired = _count_retires_in_backward(opt)
     losses, local = [], GLOBAL_BATCH // world
     for step in range(steps):
         x, y = batch(name, step, GLOBAL_BATCH)
@@ -47,7 +56,24 @@ def _train_distributed(name: str, bucket_size: int, steps: int = STEPS, grad_col
         "state_bytes": opt.state_bytes,
         "buckets": len(opt.buckets),
         "collective": opt.dp.grad_collective,
+        "retired_in_backward": retired[0],
+        "chunks": sum(map(len, opt.grad_sync.exchange.chunks)) if opt.grad_sync.exchange is not None else 0,
     }
+
+
+def _count_retires_in_backward(opt: fxzero.DistributedOptimizer) -> list[int]:
+    """How many exchange chunks were finished while a backward ran (the exchange keeping up)."""
+    count = [0]
+    exchange = opt.grad_sync.exchange
+    if exchange is not None:
+        retire = exchange._retire
+
+        def counted() -> None:
+            count[0] += torch._C._current_graph_task_id() != -1
+            retire()
+
+        exchange._retire = counted
+    return count
 
 
 def _train_reference(name: str, steps: int = STEPS) -> dict:
@@ -152,3 +178,20 @@ def test_gradient_accumulation_no_sync_matches_big_batch() -> None:
         assert result["launched"] == [False] * (microbatches - 1) + [True]
         for name, p in model.named_parameters():
             torch.testing.assert_close(result["params"][name], p.detach(), atol=1e-6, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_chunked_exchange_is_bitwise_the_whole_bucket_sum(world: int) -> None:
+    """Chunks of 16 elements through 2 receive slots: many chunks per bucket, retired while
+    backward runs; every chunk sums in rank order, so the run is bitwise the one with
+    one chunk per bucket, and at 2 ranks bitwise the in-place all-reduce's (a + b == b + a)."""
+    tiny = run_ranks(world, _train_distributed, "gpt", BUCKET, steps=4, chunk_bytes=64)
+    whole = run_ranks(world, _train_distributed, "gpt", BUCKET, steps=4)
+    others = [whole] + ([run_ranks(2, _train_distributed, "gpt", BUCKET, steps=4, grad_collective="all_reduce")] if world == 2 else [])
+    assert tiny[0]["chunks"] > 20 * tiny[0]["buckets"] and whole[0]["chunks"] == whole[0]["buckets"]
+    assert all(r["retired_in_backward"] > 0 for r in tiny)
+    for other in others:
+        for a, b in zip(tiny, other):
+            assert a["losses"] == b["losses"]
+            for key, value in a["params"].items():
+                assert torch.equal(value, b["params"][key]), key

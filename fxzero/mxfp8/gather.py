@@ -6,7 +6,7 @@ With ``Config.mxfp8_param_gather`` a bucket's gather moves MXFP8 codes and scale
 1. **publish** (in ``step()``): this rank quantizes its updated fp32 main shard straight
    into its own row of the gather destination, ``[codes (S bytes) | scales (S/32 bytes)]``
    for a shard of ``S`` elements, so the row is the all-gather's input, in place;
-2. **launch**: one in-place ``all_gather_single`` of the rows (uint8);
+2. **launch**: one in-place all-gather of the rows (uint8; on gloo a broadcast per row);
 3. **land** (when the bucket is waited, right before its first read): every rank's row
    is dequantized into the bucket's ``param_data`` with two copies and a multiply on
    views made at construction.
@@ -64,6 +64,8 @@ class _BucketViews:
     """uint8, this rank's row: the all-gather's input (a view of ``dest``)."""
     dest: torch.Tensor
     """uint8, every rank's row: the all-gather's output."""
+    rows: tuple[torch.Tensor, ...]
+    """``rows[r]``: rank r's row of ``dest`` (what an all-gather by broadcasts sends from)."""
     own_codes: torch.Tensor
     own_scales: torch.Tensor
     codes: torch.Tensor
@@ -121,6 +123,7 @@ class Mxfp8Gather:
         return _BucketViews(
             send=send,
             dest=dest,
+            rows=rows.unbind(0),
             own_codes=send[:shard].view(torch.float8_e4m3fn),
             own_scales=send[shard:].view(torch.float8_e8m0fnu),
             codes=rows[:, :shard].view(torch.float8_e4m3fn).view(dp, blocks, _BLOCK),
@@ -146,7 +149,7 @@ class Mxfp8Gather:
         if self.dp.size == 1:
             return None
         views = self.views[index]
-        return self.dp.all_gather_async(views.dest, views.send)
+        return self.dp.all_gather_async(views.dest, views.rows)
 
     def land(self, index: int) -> None:
         """Dequantize every rank's row into the params; free the grad region for gradients."""

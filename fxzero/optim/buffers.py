@@ -18,7 +18,7 @@ import torch
 
 from .layout import BufferPlan
 
-__all__ = ["Bucket", "ParamAndGradBuffer", "ReceiveRing", "shard_buffer"]
+__all__ = ["Bucket", "ParamAndGradBuffer", "shard_buffer"]
 
 
 def shard_buffer(buffer: torch.Tensor, dp_size: int) -> tuple[torch.Tensor, ...]:
@@ -98,37 +98,3 @@ class ParamAndGradBuffer:
     @property
     def nbytes(self) -> int:
         return self.param_data.nbytes + self.grad_data.nbytes
-
-
-class ReceiveRing:
-    """Receive buffers for reduce-scatters built from an all-to-all.
-
-    An all-to-all hands each rank every rank's copy of its own shard (``dp`` chunks),
-    which it then sums: the receive side needs a whole bucket of scratch. Giving each
-    bucket its own would double the grad memory, so buckets take turns in ``slots``
-    byte buffers sized for the largest bucket: bucket ``i`` uses slot ``i % slots``,
-    and bucket ``i - slots`` must be finished before ``i`` launches (it launched that
-    many buckets earlier, so it has normally long arrived). Views, one ``(dp, shard)``
-    matrix per bucket and its rows, are made here once.
-    """
-
-    def __init__(self, buckets: Sequence[Bucket], dp_size: int, slots: int = 2) -> None:
-        if slots < 1:
-            raise ValueError(f"ReceiveRing: slots must be >= 1, got {slots}")
-        self.slots = min(slots, len(buckets)) or 1
-        largest = max((b.grad_data.nbytes for b in buckets), default=0)
-        device = buckets[0].grad_data.device if buckets else None
-        self._memory = [torch.empty(largest, dtype=torch.uint8, device=device) for _ in range(self.slots)]
-        self.views = tuple(self._view(i, b, dp_size) for i, b in enumerate(buckets))
-        """``views[i]`` is bucket i's receive matrix: row r holds rank r's copy of this rank's shard."""
-        self.rows = tuple(view.unbind(0) for view in self.views)
-        """``rows[i][r]``: row r of ``views[i]``, a view made once (summing row views is ~3x
-        faster than ``torch.sum(dim=0)`` here, and slices nothing per step)."""
-
-    def _view(self, position: int, bucket: Bucket, dp_size: int) -> torch.Tensor:
-        memory = self._memory[position % self.slots][: bucket.grad_data.nbytes]
-        return memory.view(bucket.grad_data.dtype).view(dp_size, -1)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(m.nbytes for m in self._memory)

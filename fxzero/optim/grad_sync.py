@@ -43,8 +43,9 @@ import torch
 import torch.distributed as dist
 
 from .._torch_compat import foreach_mul_, in_backward, queue_end_of_backward
-from .buffers import Bucket, ReceiveRing
+from .buffers import Bucket
 from .comm import DataParallelGroup
+from .grad_exchange import GradExchange
 from .pending_forwards import PendingForwards
 
 __all__ = ["GradSync"]
@@ -78,8 +79,8 @@ class GradSync:
         """``presence[slot]`` is 1 once param ``slot`` got any gradient since the last step."""
         self.presence_tensor = torch.frombuffer(self.presence, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
         self._own_shards = [b.grad_shards[dp.rank] for b in self.buckets]
-        self.ring = ReceiveRing(self.buckets, dp.size) if dp.grad_collective == "all_to_all" and dp.size > 1 else None
-        """Receive buffers of the all-to-all reduction (gloo's fastest); ``None`` otherwise."""
+        self.exchange = GradExchange(self.buckets, dp) if dp.grad_collective == "all_to_all" and dp.size > 1 else None
+        """The chunked all-to-all reduction (gloo's fastest); ``None`` with the other collectives."""
         # a preallocated 0-dim factor: a Python float would be wrapped into a tensor every step
         device = self.buckets[0].grad_data.device if self.buckets else None
         self._post_scale = torch.tensor(dp.post_scale, device=device) if dp.post_scale != 1.0 else None
@@ -173,6 +174,8 @@ class GradSync:
         self._pending[bucket] -= count
         if self._accumulating:
             return
+        if self.exchange is not None:  # a gradient hand-off: a point where the exchange may move on
+            self.exchange.progress()
         self._queue_end_of_backward()
         if self._pending[bucket] <= 0 and not self.learning:
             self._launch_ready_prefix()
@@ -214,13 +217,11 @@ class GradSync:
             self.before_grad_write(index)
         self._launched[index] = True
         self._next = index + 1
-        if self.dp.size > 1:
-            bucket, received = self.buckets[index], None
-            if self.ring is not None:
-                received = self.ring.views[index]
-                if index >= self.ring.slots:  # the bucket that used this receive buffer before
-                    self._complete(index - self.ring.slots)
-            self._works[index] = self.dp.reduce_grads_async(bucket.grad_shards[self.dp.rank], bucket.grad_data, received)
+        if self.exchange is not None:
+            self.exchange.launch(index)
+        elif self.dp.size > 1:
+            bucket = self.buckets[index]
+            self._works[index] = self.dp.reduce_grads_async(bucket.grad_shards[self.dp.rank], bucket.grad_data)
         log.debug("launched reduce-scatter of bucket %d", index)
 
     # ---- step boundary ----------------------------------------------------------
@@ -233,20 +234,19 @@ class GradSync:
             foreach_mul_(self._own_shards, self._post_scale)
 
     def finish_launched(self) -> None:
-        """Wait for the reduce-scatters already launched; launch nothing."""
+        """Finish the reductions of the buckets already launched; launch no other."""
+        if self.exchange is not None:
+            self.exchange.complete_all()
         for index in range(len(self._works)):
             self._complete(index)
 
     def _complete(self, index: int) -> None:
-        """Wait for bucket ``index``'s reduction if it is in flight (after an all-to-all,
-        sum what arrived into the shard)."""
+        """Wait for bucket ``index``'s reduction if it is in flight."""
         work = self._works[index]
         if work is None:
             return
         self.dp.wait(work, "gradient reduction", index, self.buckets[index].params)
         self._works[index] = None
-        if self.ring is not None:
-            self.dp.sum_received(self._own_shards[index], self.ring.rows[index])
 
     def reset(self) -> None:
         """Start a new step: nothing ready, nothing launched, no gradient seen. Forwards

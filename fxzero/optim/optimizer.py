@@ -148,7 +148,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _settings(self) -> tuple[Any, ...]:
         """Everything besides the params that shapes the buckets and collectives."""
         c = self.config
-        return (c.resolved_bucket_size(self.dp.size), c.pad_for_high_busbw, c.shard_multiple, c.grad_dtype,
+        return (c.resolved_bucket_size(self.dp.size, self.dp.backend), c.pad_for_high_busbw, c.shard_multiple, c.grad_dtype,
                 self.dp.grad_collective, c.mxfp8_param_gather, c.reuse_grad_buf_for_mxfp8_param_ag)  # fmt: skip
 
     def _build_runtime(self, module: Optional[torch.nn.Module]) -> None:
@@ -191,7 +191,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
         for param in self._layout:
             groups.setdefault(param.dtype, []).append(param)
-        bucket_size = self.config.resolved_bucket_size(self.dp.size)
+        bucket_size = self.config.resolved_bucket_size(self.dp.size, self.dp.backend)
         buffers, first = [], 0
         for params in groups.values():
             plan = plan_buckets(
@@ -360,11 +360,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @property
     def runtime_bytes(self) -> int:
         """Bytes of the runtime's own buffers on this rank: flat param and grad buffers,
-        the all-to-all reduction's receive buffers (gloo), the MXFP8 gather's (only this
+        the chunked all-to-all reduction's receive slots (gloo), the MXFP8 gather's (only this
         rank's row when it reuses the grad buffer) and the scratch that checks bf16/fp16 or
         MXFP8 params for values written outside the optimizer."""
-        ring = self.grad_sync.ring.nbytes if self.grad_sync.ring is not None else 0
-        return sum(b.nbytes for b in self.buffers) + ring + self.gather.nbytes + self.param_watch.nbytes
+        exchange = self.grad_sync.exchange.nbytes if self.grad_sync.exchange is not None else 0
+        return sum(b.nbytes for b in self.buffers) + exchange + self.gather.nbytes + self.param_watch.nbytes
 
     @property
     def state_bytes(self) -> int:

@@ -83,7 +83,8 @@ class PlainGather:
     def launch(self, index: int) -> Optional[dist.Work]:
         if self.dp.size == 1:
             return None
-        return self.dp.all_gather_async(self.buckets[index].param_data, self._inputs[index])
+        bucket = self.buckets[index]
+        return self.dp.all_gather_async(bucket.param_data, bucket.param_shards)
 
     def land(self, index: int) -> None:
         pass
