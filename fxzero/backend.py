@@ -112,7 +112,7 @@ def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[Manag
         if owner is not None and all(owner is not o for o in owners):
             owners.append(owner)
     managed = [
-        ManagedParam(position, index, bucket)
+        ManagedParam(position, index, bucket, example_inputs[position].numel())
         for index, owner in enumerate(owners)
         for position, bucket in zip(*dataclasses.astuple(owner.bind(example_inputs)))
     ]

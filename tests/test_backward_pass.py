@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 import warnings
+import weakref
 from unittest import mock
 
 import pytest
@@ -34,6 +35,52 @@ def test_grads_missing_from_the_graph_are_not_planned_and_ties_keep_bucket_order
     plan = plan_launches(managed, producer={0: 4, 1: 4})  # position 2 has no gradient here
     assert [(launch.owner, launch.bucket) for launch in plan.launches] == [(0, 1), (0, 2)]
     assert plan_launches([], producer={}).launches == ()
+
+
+def test_hand_offs_cut_each_bucket_in_producer_order() -> None:
+    big, small = 1 << 20, 1000
+    managed = [ManagedParam(p, 0, 0, n) for p, n in [(0, small), (1, big), (2, small), (3, small), (4, big)]]
+    producer = {0: 9, 1: 8, 2: 5, 3: 4, 4: 2}  # backward produces 4, 3, 2, 1, 0
+    plan = plan_launches(managed, producer, handoff_numel=big)
+    # a large gradient goes alone, small ones wait for the next large one
+    assert [(launch.positions, launch.after) for launch in plan.launches] == [((4,), 2), ((1, 2, 3), 8), ((0,), 9)]
+    assert [launch.positions for launch in plan_launches(managed, producer, handoff_numel=0).launches] == [(4,), (3,), (2,), (1,), (0,)]
+    assert [launch.positions for launch in plan_launches(managed, producer, handoff_numel=10 * big).launches] == [(0, 1, 2, 3, 4)]
+
+
+def _handoffs(inner: str) -> list[tuple[int, int]]:
+    """Each hand-off of a compiled backward over one bucket: (elements handed, earlier
+    handed-off gradients still alive)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024, bias=False) for _ in range(4)])
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=None))
+    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": inner})
+    x = torch.randn(8, 1024)
+    cmodel(x).sum().backward()  # compiles (and learns the counts)
+    opt.step()
+    calls, handed = [], []
+    original = opt.binding.grads_ready
+
+    def recording(grads, params):  # type: ignore[no-untyped-def]
+        calls.append((sum(g.numel() for g in grads), sum(r() is not None for r in handed)))
+        handed.extend(weakref.ref(g) for g in grads)
+        original(grads, params)
+
+    with mock.patch.object(opt.binding, "grads_ready", recording):
+        cmodel(x).sum().backward()
+    assert len(opt.buckets) == 1 and opt.grad_sync.launched == (True,)
+    return calls
+
+
+@pytest.mark.parametrize("inner", ["eager", "inductor"])
+def test_each_large_gradient_goes_into_main_grad_right_after_its_producer(inner: str) -> None:
+    """One bucket of four 1M-element weights: four hand-offs, one per gradient, in the
+    compiled backward (a single one, after the last gradient, kept all four alive)."""
+    calls = _handoffs(inner)
+    assert [n for n, _ in calls] == [1 << 20] * 4
+    if inner == "eager":  # Inductor may reuse a dead gradient's buffer for a later one
+        assert [alive for _, alive in calls] == [0, 0, 0, 0], "a handed-off gradient outlived its hand-off"
 
 
 # ---- the rewritten backward graph -------------------------------------------------

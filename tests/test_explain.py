@@ -185,3 +185,20 @@ def test_explain_names_its_bad_arguments() -> None:
         fxzero.explain(model, x, optimizer=opt, inner_compiler="cuda")
     with pytest.raises(TypeError, match="model must be a torch.nn.Module, got function"):
         fxzero.explain(lambda t: t, x, optimizer=opt)
+
+
+def test_early_hand_offs_are_named_apart_from_the_bucket_launch() -> None:
+    """With a hand-off per gradient, each but the bucket's last only adds its gradient into
+    main_grad: named grads_bucketB_K, and the schedule points at the last one."""
+    from unittest import mock
+
+    import fxzero.passes.bucket_reduce_scatter as backward_pass
+
+    model, opt = _mlp_and_optimizer()
+    with mock.patch.object(backward_pass, "HANDOFF_NUMEL", 0):
+        text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
+    lines = [line.strip() for line in text.splitlines() if "fxzero.grads_ready" in line]
+    assert [line.split(" = ")[0] for line in lines] == ["grads_bucket0_0", "rs_launch_bucket0", "grads_bucket1_0", "rs_launch_bucket1"]
+    assert lines[0].endswith("# <- fxzero: add these grads of bucket 0 into main_grad (they die here)")
+    schedule = [line for line in text.splitlines() if line.startswith("bucket 0: reduce-scatter launches in")]
+    assert len(schedule) == 1 and "(at the last of these to run)" not in schedule[0]  # one site: the launch

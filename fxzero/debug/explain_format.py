@@ -95,27 +95,42 @@ def _bucket_section(explained: "Explained") -> str:
 
 
 # ---- the graphs ---------------------------------------------------------------------
-def _node_label(node: "InsertedNode", bucket: Any) -> str:
+def _early_handoffs(graph: "Graph", part: "Recorded", explained: "Explained") -> dict[str, int]:
+    """Hand-offs of a backward that are not their bucket's last in it (name -> ordinal):
+    they only add gradients into ``main_grad``; the last one launches the bucket."""
+    by_bucket: dict[Any, list[str]] = {}
+    for node in part.inserted:
+        if node.launch:
+            by_bucket.setdefault(explained.bucket_of(graph, node), []).append(node.name)
+    return {name: k for names in by_bucket.values() for k, name in enumerate(names[:-1])}
+
+
+def _node_label(node: "InsertedNode", bucket: Any, early: dict[str, int]) -> str:
+    if node.name in early:
+        return f"grads_bucket{bucket}_{early[node.name]}"
     return f"{'rs_launch' if node.launch else 'ag_wait'}_bucket{bucket}"
 
 
-def _renames(graph: "Graph", part: "Recorded", explained: "Explained") -> dict[str, str]:
+def _renames(graph: "Graph", part: "Recorded", explained: "Explained", early: dict[str, int]) -> dict[str, str]:
     """Graph identifiers shown under another name: params by module path, fxzero's
     nodes by what they do and for which bucket."""
     renames = {placeholder: path for placeholder, path, _ in explained.params_of(graph)}
     for node in part.inserted:
-        renames[node.name] = _node_label(node, explained.bucket_of(graph, node))
+        renames[node.name] = _node_label(node, explained.bucket_of(graph, node), early)
     return renames
 
 
-def _mark(node: "InsertedNode", bucket: Any) -> str:
+def _mark(node: "InsertedNode", bucket: Any, early: dict[str, int]) -> str:
+    if node.name in early:
+        return f"  # <- fxzero: add these grads of bucket {bucket} into main_grad (they die here)"
     if node.launch:
         return f"  # <- fxzero: launch bucket {bucket}'s reduce-scatter (its grads from this graph are in)"
     return f"  # <- fxzero: wait for bucket {bucket}'s all-gather (and launch the next)"
 
 
 def _marked_code(graph: "Graph", part: "Recorded", explained: "Explained") -> list[str]:
-    renames = _renames(graph, part, explained)
+    early = _early_handoffs(graph, part, explained)
+    renames = _renames(graph, part, explained, early)
     pattern = (
         re.compile(r"\b(" + "|".join(sorted(map(re.escape, renames), key=len, reverse=True)) + r")\b")
         if renames
@@ -132,7 +147,7 @@ def _marked_code(graph: "Graph", part: "Recorded", explained: "Explained") -> li
         if pattern is not None:
             line = pattern.sub(lambda m: renames[m.group(1)], line)
         if node is not None:
-            line += _mark(node, explained.bucket_of(graph, node))
+            line += _mark(node, explained.bucket_of(graph, node), early)
         out.append(line)
     return out
 
@@ -155,8 +170,9 @@ def _sites(explained: "Explained", bucket: int, launch: bool) -> list[str]:
     sites = []
     for number, graph in enumerate(explained.graphs):
         for kind, part in graph.parts.items():
+            early = _early_handoffs(graph, part, explained)
             for node in part.inserted:
-                if node.launch == launch and explained.bucket_of(graph, node) == bucket:
+                if node.launch == launch and node.name not in early and explained.bucket_of(graph, node) == bucket:
                     pct = round(100 * node.index / part.total)
                     sites.append(f"graph {number} {kind} at node {node.index}/{part.total} ({pct}%)")
     return sites

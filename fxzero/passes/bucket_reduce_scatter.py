@@ -1,20 +1,26 @@
-"""Backward pass: launch each bucket's reduce-scatter right after its last gradient.
+"""Backward pass: gradients into ``main_grad`` as they are produced; each bucket's
+reduce-scatter launched right after its last gradient.
 
 It runs on AOTAutograd's **joint** graph, before partitioning, where the gradient of
 forward input ``i`` is output ``num_fwd_outputs + i`` and the managed params are primal
 placeholders. For the managed gradients it
 
-1. plans, per bucket, the node producing the bucket's **last** gradient (graph order), as
-   plain data (:func:`plan_launches`, testable without graphs);
-2. inserts right after it ``token = fxzero::grads_ready(grads, params)``: the op adds the
-   gradients into ``main_grad`` and lets the optimizer launch the bucket's async
+1. plans, as plain data (:func:`plan_launches`, testable without graphs), the *hand-offs*:
+   each bucket's gradients in the order their producers run, cut into groups of at least
+   :data:`HANDOFF_NUMEL` elements (a gradient larger than that is a group of its own), each
+   placed after its last producer. A gradient therefore lives only until its group is
+   handed off, not until the bucket's last gradient: with one hand-off per bucket, a
+   40M-element bucket kept every gradient of the model alive through backward;
+2. inserts right after each group's last producer ``token = fxzero::grads_ready(grads,
+   params)``: the op adds the gradients into ``main_grad`` (they die right after) and
+   reports them; the bucket's last hand-off lets the optimizer launch its async
    reduce-scatter while the rest of backward computes (:func:`insert_launches`);
-3. routes ``token`` to the bucket's first gradient output and makes its other gradient
+3. routes ``token`` to the group's first gradient output and makes its other gradient
    outputs ``None``. An output is what keeps the op in the backward graph when AOTAutograd
    partitions, and the partitioner then saves the op's inputs for the backward, the params
    included (free: they are graph inputs). So the op receives the params themselves at
    run time, and one compiled graph serves every param set it is called with;
-4. checks the contract: every managed gradient feeds exactly one launch, in (graph
+4. checks the contract: every managed gradient feeds exactly one hand-off, in (graph
    position, bucket) order, never by hashing.
 
 After partitioning, :func:`release_launch_outputs_pass` (on the backward graph) turns the tokens
@@ -38,6 +44,7 @@ import torch.fx as fx
 from .matchers import LAUNCH_META, copy_node_provenance, graph_output, is_grads_ready
 
 __all__ = [
+    "HANDOFF_NUMEL",
     "BucketLaunch",
     "LaunchPlan",
     "ManagedParam",
@@ -46,6 +53,13 @@ __all__ = [
     "plan_launches",
     "release_launch_outputs_pass",
 ]
+
+
+HANDOFF_NUMEL = 1 << 20
+"""Elements of gradient a hand-off waits for before it is made (4 MiB of fp32). Each
+hand-off is one call into Python (~20-30 µs); the gradients of a group stay alive until it.
+So small gradients (norms, biases) share a call, and a matrix's gradient goes into
+``main_grad`` right after the node that produced it."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,14 +72,18 @@ class ManagedParam:
     """Index of its optimizer among the graph's owners."""
     bucket: int
     """Its bucket at compile time (plans group by it)."""
+    numel: int = 0
+    """Its number of elements (what a hand-off counts)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class BucketLaunch:
+    """One hand-off: a group of one bucket's gradients; the bucket's last launches it."""
+
     owner: int
     bucket: int
     positions: tuple[int, ...]
-    """Forward input positions of the bucket's gradients in this graph."""
+    """Forward input positions of the group's gradients in this graph."""
     after: int
     """Index (graph order) of the node producing the last of them."""
 
@@ -80,22 +98,40 @@ class LaunchPlan:
         return tuple(p for launch in self.launches for p in launch.positions)
 
 
-def plan_launches(managed: Sequence[ManagedParam], producer: Mapping[int, int]) -> LaunchPlan:
-    """Group managed gradients by bucket; each launch goes after its last producer.
+def plan_launches(
+    managed: Sequence[ManagedParam], producer: Mapping[int, int], *, handoff_numel: int = HANDOFF_NUMEL
+) -> LaunchPlan:
+    """Cut each bucket's gradients, in producer order, into hand-offs of at least
+    ``handoff_numel`` elements (the last may be smaller; 0: one per gradient); each goes
+    after its last producer.
 
     ``producer`` maps a gradient position to the graph index of the node producing it;
     positions missing from it have no gradient in this graph and are left alone.
     """
-    groups: dict[tuple[int, int], list[int]] = {}
-    for grad in sorted(managed, key=lambda g: g.position):
+    buckets: dict[tuple[int, int], list[ManagedParam]] = {}
+    for grad in sorted(managed, key=lambda g: (producer.get(g.position, -1), g.position)):
         if grad.position in producer:
-            groups.setdefault((grad.owner, grad.bucket), []).append(grad.position)
-    launches = [
-        BucketLaunch(owner, bucket, tuple(positions), max(producer[p] for p in positions))
-        for (owner, bucket), positions in groups.items()
-    ]
+            buckets.setdefault((grad.owner, grad.bucket), []).append(grad)
+    launches = []
+    for (owner, bucket), grads in buckets.items():
+        for group in _cut(grads, handoff_numel):
+            positions = tuple(sorted(g.position for g in group))
+            launches.append(BucketLaunch(owner, bucket, positions, max(producer[p] for p in positions)))
     launches.sort(key=lambda launch: (launch.after, launch.owner, launch.bucket))
     return LaunchPlan(tuple(launches))
+
+
+def _cut(grads: Sequence[ManagedParam], numel: int) -> list[list[ManagedParam]]:
+    """Consecutive groups, each closed once it holds ``numel`` elements (the rest: one more)."""
+    groups: list[list[ManagedParam]] = [[]]
+    held = 0
+    for grad in grads:
+        if held >= numel and groups[-1]:
+            groups.append([])
+            held = 0
+        groups[-1].append(grad)
+        held += grad.numel
+    return groups
 
 
 def grad_producers(gm: fx.GraphModule, num_fwd_outputs: int) -> dict[int, int]:
@@ -154,7 +190,7 @@ def bucket_reduce_scatter_pass(
     """Plan, rewrite, check (on the joint graph)."""
     if not managed:
         return gm
-    plan = plan_launches(managed, grad_producers(gm, num_fwd_outputs))
+    plan = plan_launches(managed, grad_producers(gm, num_fwd_outputs), handoff_numel=HANDOFF_NUMEL)
     insert_launches(gm, plan, num_fwd_outputs)
     check_launch_contract(gm, plan, num_fwd_outputs)
     return gm
