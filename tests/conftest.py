@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 from fxzero.testing import close_pools
 
@@ -8,3 +9,13 @@ def _close_rank_pools():
     """Rank pools live for the whole session (starting ranks costs seconds)."""
     yield
     close_pools()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` run where a GPU is; elsewhere they are skipped, saying why."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU: torch.cuda.is_available() is False on this machine")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)

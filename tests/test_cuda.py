@@ -1,0 +1,98 @@
+"""On a CUDA GPU: the NCCL path at one rank, Inductor's CUDA code with fxzero's passes,
+the MXFP8 cast, and host syncs in ``step()``. Skipped (with the reason) without a GPU."""
+
+from __future__ import annotations
+
+import datetime
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import fxzero
+from fxzero import mxfp8
+
+from models import batch, build, loss_fn, param_groups
+
+pytestmark = pytest.mark.cuda
+
+LR, STEPS, GLOBAL = 1e-2, 4, 8
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, run: torch.nn.Module) -> list[float]:
+    losses = []
+    for step in range(STEPS):
+        x, y = (t.cuda() for t in batch("gpt", step, GLOBAL))
+        loss = loss_fn("gpt", run(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    model = build("gpt").cuda()
+    losses = _train(model, torch.optim.AdamW(param_groups(model), lr=LR), model)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _check_fxzero(group: object) -> None:
+    """fxzero (Inductor) on the GPU trains like eager AdamW; every param's gradient came
+    through the compiled backward's hand-offs."""
+    torch._dynamo.reset()
+    model = build("gpt").cuda()
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model, process_group=group)
+    losses = _train(model, opt, torch.compile(model, backend="fxzero"))
+    ref_losses, ref_params = _reference()
+    torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), ref_params[name], atol=1e-4, rtol=0, msg=name)
+    assert sum(opt.grad_sync.compiled) == len(opt.params)
+
+
+def test_inductor_cuda_compile_with_the_passes_trains_like_eager() -> None:
+    _check_fxzero(None)
+
+
+def test_nccl_group_of_one_rank() -> None:
+    store = dist.HashStore()
+    dist.init_process_group("nccl", store=store, rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        group = dist.group.WORLD
+        assert fxzero.optim.DataParallelGroup.resolve(group).grad_collective == "reduce_scatter"
+        _check_fxzero(group)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_mxfp8_cast_on_cuda_is_bitwise_the_cpu_cast() -> None:
+    x = torch.randn(64, 1024, generator=torch.Generator().manual_seed(0)) * torch.logspace(-20, 20, 1024)
+    codes, scales = mxfp8.quantize(x.cuda())
+    cpu_codes, cpu_scales = mxfp8.quantize(x)
+    assert codes.is_cuda and scales.is_cuda
+    assert torch.equal(codes.cpu().view(torch.uint8), cpu_codes.view(torch.uint8))
+    assert torch.equal(scales.cpu().view(torch.uint8), cpu_scales.view(torch.uint8))
+    assert torch.equal(mxfp8.dequantize(codes, scales).cpu(), mxfp8.dequantize(cpu_codes, cpu_scales))
+
+
+def test_step_synchronizes_with_the_host_at_most_once() -> None:
+    """torch's sync debug mode warns at every synchronizing CUDA call inside step()."""
+    torch._dynamo.reset()
+    model = build("gpt").cuda()
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=fxzero.Config(clip_grad=1.0), module=model)
+    run = torch.compile(model, backend="fxzero")
+    for step in range(3):
+        x, y = (t.cuda() for t in batch("gpt", step, GLOBAL))
+        loss_fn("gpt", run(x), y).backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs = [w for w in caught if "synchroniz" in str(w.message)]
+        assert len(syncs) <= 1, [str(w.message) for w in syncs]
