@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ModelArgs, Transformer, get_batch  # noqa: E402
 
 import peers  # noqa: E402  (benchmarks/peers.py: what runs on every rank)
+import plotting  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 from peers import BETAS, CONFIGS, LR, PER_RANK  # noqa: E402
 
@@ -207,13 +208,8 @@ def _overlap_room(fx: list[dict], world: int) -> None:
 
 
 def _plot(rows: list[list[str]], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"\n(matplotlib not installed: no {path}; `pip install -e .[bench]`)")
+    plt = plotting.pyplot(path)
+    if plt is None:
         return
     ok = [r for r in rows if not r[1].startswith("FAILED")]
     names = [r[0] for r in ok]
@@ -226,9 +222,7 @@ def _plot(rows: list[list[str]], path: str) -> None:
     ax2.legend()
     for ax in (ax1, ax2):
         ax.invert_yaxis()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"\nwrote {path}")
+    plotting.save(fig, path)
 
 
 def main() -> None:

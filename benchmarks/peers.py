@@ -59,31 +59,43 @@ class _NoOptimizer:
         self.model.zero_grad(set_to_none=set_to_none)
 
 
-def build(config: str, model: torch.nn.Module, bucket_size: int):
-    """(callable model, optimizer, () -> optimizer-state bytes on this rank)."""
+def build(config: str, model: torch.nn.Module, bucket_size, *, group=None, device_ids=None):
+    """(callable model, optimizer, () -> optimizer-state bytes on this rank).
+
+    Besides :data:`CONFIGS`: ``"fxzero eager"`` (the optimizer without torch.compile),
+    ``"DDP gabv"`` (``DDP(gradient_as_bucket_view=True)``), ``"floor"`` (forward and
+    backward of the eager model, no optimizer). ``group``: the process group every
+    wrapper and optimizer uses (default: the world); ``device_ids``: DDP's, on a GPU."""
     AdamW = torch.optim.AdamW
     if config.startswith("fxzero"):
         cfg = fxzero.Config(bucket_size=bucket_size)
-        opt = fxzero.DistributedOptimizer(param_groups(model), AdamW, lr=LR, betas=BETAS, config=cfg, module=model)
+        opt = fxzero.DistributedOptimizer(param_groups(model), AdamW, lr=LR, betas=BETAS, config=cfg, module=model, process_group=group)
+        if config == "fxzero eager":
+            return model, opt, lambda: opt.state_bytes
         options = {"inner_compiler": "eager"} if config == "fxzero eager-inner" else {}
         return torch.compile(model, backend="fxzero", options=options), opt, lambda: opt.state_bytes
-    if config == "limit":
-        return torch.compile(model), _NoOptimizer(model), lambda: 0
+    if config in ("limit", "floor"):
+        return (torch.compile(model) if config == "limit" else model), _NoOptimizer(model), lambda: 0
     if config.startswith("FSDP2"):
         from torch.distributed.fsdp import fully_shard
 
+        mesh = None
+        if group is not None:
+            from torch.distributed.device_mesh import DeviceMesh
+
+            mesh = DeviceMesh.from_group(group, next(model.parameters()).device.type)
         for block in model.layers:
-            fully_shard(block, reshard_after_forward=False)
-        fully_shard(model, reshard_after_forward=False)
+            fully_shard(block, reshard_after_forward=False, mesh=mesh)
+        fully_shard(model, reshard_after_forward=False, mesh=mesh)
         opt = AdamW(param_groups(model), lr=LR, betas=BETAS)
         return (torch.compile(model) if "compile" in config else model), opt, lambda: _state_nbytes(opt.state)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model)
+    ddp = DDP(model, device_ids=device_ids, process_group=group, gradient_as_bucket_view=config == "DDP gabv")
     if config.startswith("DDP + ZeRO"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
-        opt = ZeroRedundancyOptimizer(param_groups(model), optimizer_class=AdamW, lr=LR, betas=BETAS)
+        opt = ZeroRedundancyOptimizer(param_groups(model), optimizer_class=AdamW, lr=LR, betas=BETAS, process_group=group)
         return ddp, opt, lambda: _state_nbytes(opt.optim.state)
     opt = AdamW(param_groups(model), lr=LR, betas=BETAS)
     return (torch.compile(ddp) if "compile" in config else ddp), opt, lambda: _state_nbytes(opt.state)

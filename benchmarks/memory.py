@@ -1,0 +1,195 @@
+"""Peak memory per rank: fxzero vs DDP, ZeroRedundancyOptimizer and FSDP2, and how it scales.
+
+    python benchmarks/memory.py [--steps 4] [--only CONFIG ...] [--sweep] [--png FILE] [--device cpu|cuda]
+
+**The table** (always): the 43M-param GPT of ``examples/train_gpt.py`` at dim 768, 6 layers,
+vocab 256, seq 64, batch 2 per rank, fp32, AdamW (the issue's setup), at 2 ranks, every
+config in fresh processes (a ``fxzero.testing`` pool of its own, gloo, 1 thread per rank;
+with ``--device cuda`` each rank trains on its GPU over NCCL). Every config uses its
+defaults: fxzero ``Config()``, DDP's 25 MB buckets. Columns: the peak per rank (max over
+ranks) and where it was reached (the peak *during* model/optimizer construction and during
+each forward, backward and ``step()`` + ``zero_grad()``, over all steps), the optimizer
+state, the median step time (steps 2+; one run on a shared machine: indicative). On CPU
+memory is the resident set (``VmHWM``, whole process: interpreter, torch and compiled
+code included); on a GPU ``torch.cuda.max_memory_allocated``.
+
+* **fxzero eager**: ``DistributedOptimizer`` without ``torch.compile``; **fxzero
+  eager-inner** / **fxzero**: ``torch.compile(model, backend="fxzero")`` with the eager /
+  Inductor inner compiler;
+* **DDP eager** (defaults), **DDP gabv** (``gradient_as_bucket_view=True``), **DDP +
+  compile**; **DDP + ZeRO** (``ZeroRedundancyOptimizer``); **FSDP2** (``fully_shard`` per
+  block and root, ``reshard_after_forward=False``);
+* **floor**: the eager model's forward and backward alone, no optimizer.
+
+**The sweep** (``--sweep``): fxzero (Inductor) vs DDP + compile at ~3M / ~43M / ~150M
+params (world 2; 3 steps for the largest) and at world 1 / 2 / 4 (43M): peak, optimizer
+state, step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tabulate import tabulate
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import memory_ranks  # noqa: E402  (what runs on every rank)
+import plotting  # noqa: E402
+from memory_ranks import PHASES, Model  # noqa: E402
+
+from fxzero.testing import close_pools, run_ranks  # noqa: E402
+
+CONFIGS = ("DDP eager", "DDP gabv", "DDP + compile", "DDP + ZeRO", "FSDP2", "fxzero eager", "fxzero eager-inner", "fxzero", "floor")
+BASELINE = "DDP gabv"
+MODELS = {
+    "3M": Model("3M", dim=256, n_layer=4, n_head=4),
+    "43M": Model("43M", dim=768, n_layer=6, n_head=12),
+    "150M": Model("150M", dim=1024, n_layer=12, n_head=16),
+}
+SWEEP = [("3M", 2), ("43M", 2), ("150M", 2), ("43M", 1), ("43M", 4)]
+SWEEP_CONFIGS = ("fxzero", "DDP + compile")
+
+
+def _run(config: str, model: Model, world: int, steps: int, device: str) -> list[dict] | str:
+    """One config in a fresh pool: per-rank results, or why it failed."""
+    start = time.perf_counter()
+    try:
+        return run_ranks(world, memory_ranks.measure, config, model, steps, device, timeout=3600)
+    except Exception as exc:  # noqa: BLE001 - a config that cannot run still gets its row
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return f"{type(exc).__name__}: {lines[-1] if lines else exc}"
+    finally:
+        close_pools()
+        print(f"  {config} ({model.name}, world {world}): {time.perf_counter() - start:.0f} s", flush=True)
+
+
+def _peak(res: list[dict]) -> float:
+    return max(r["peak"] for r in res)
+
+
+def _state_mib(res: list[dict]) -> float:
+    return max(r["state_bytes"] for r in res) / 2**20
+
+
+def _table(results: dict) -> list[list[str]]:
+    base = results.get(BASELINE)
+    rows = []
+    for config, res in results.items():
+        if isinstance(res, str):
+            rows.append([config, f"FAILED: {res}"] + [""] * (len(PHASES) + 4))
+            continue
+        versus = f"{_peak(res) - _peak(base):+.1f}" if isinstance(base, list) else "n/a"
+        phases = [f"{max(r['peaks'][p] for r in res):.1f}" for p in PHASES]
+        ms = max(r["step_ms"] for r in res)
+        rows.append([config, f"{_peak(res):.1f}", versus, *phases, f"{_state_mib(res):.1f}", f"{ms:.0f}"])
+    return rows
+
+
+def _targets(results: dict) -> None:
+    """The issue's bar: at least 90% of the ideal saving (half the AdamW state) below DDP
+    gabv, for fxzero eager and compiled, and below ZeroRedundancyOptimizer's peak."""
+    base, zero = results.get(BASELINE), results.get("DDP + ZeRO")
+    if not isinstance(base, list):
+        print(f"\n{BASELINE} did not run: no targets checked.")
+        return
+    ideal = _state_mib(base) / 2
+    print(f"\n## targets (ideal ZeRO-1 saving: half of {BASELINE}'s AdamW state = {ideal:.1f} MiB per rank)\n")
+    for config in ("fxzero eager", "fxzero eager-inner", "fxzero"):
+        res = results.get(config)
+        if not isinstance(res, list):
+            continue
+        saving = _peak(base) - _peak(res)
+        ok = saving >= 0.9 * ideal
+        line = f"{config}: {saving:.1f} MiB below {BASELINE} = {saving / ideal:.2f}x the ideal (target >= 0.9x): {'PASS' if ok else 'FAIL'}"
+        if isinstance(zero, list):
+            below = _peak(zero) - _peak(res)
+            line += f"; {below:+.1f} MiB vs DDP + ZeRO (target > 0): {'PASS' if below > 0 else 'FAIL'}"
+        print(line)
+
+
+def _sweep(args: argparse.Namespace) -> list[list[str]]:
+    rows = []
+    for name, world in SWEEP:
+        model = MODELS[name]
+        steps = 3 if name == "150M" else args.steps
+        got = {config: _run(config, model, world, steps, args.device) for config in SWEEP_CONFIGS}
+        fx, ddp = got["fxzero"], got["DDP + compile"]
+        if isinstance(fx, str) or isinstance(ddp, str):
+            rows.append([name, "", world, f"FAILED: {fx if isinstance(fx, str) else ddp}"] + [""] * 6)
+            continue
+        ideal = _state_mib(ddp) * (1 - 1 / world)
+        saving = _peak(ddp) - _peak(fx)
+        rows.append([
+            name, f"{fx[0]['params'] / 1e6:.1f}M", world, f"{_peak(fx):.1f}", f"{_peak(ddp):.1f}",
+            f"{saving:.1f} ({saving / ideal:.2f}x)" if ideal else f"{saving:.1f} (ideal 0)",
+            f"{_state_mib(fx):.1f} / {_state_mib(ddp):.1f}",
+            f"{max(r['step_ms'] for r in fx):.0f}", f"{max(r['step_ms'] for r in ddp):.0f}",
+            f"{max(r['step_ms'] for r in fx) / max(r['step_ms'] for r in ddp):.2f}",
+        ])  # fmt: skip
+    return rows
+
+
+def _plot(table: list[list[str]], sweep: list[list[str]], path: str) -> None:
+    plt = plotting.pyplot(path)
+    if plt is None:
+        return
+    ok = [r for r in table if not r[1].startswith("FAILED")]
+    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7, 4.5), squeeze=False)
+    ax = axes[0][0]
+    ax.barh([r[0] for r in ok], [float(r[1]) for r in ok], color="tab:orange", label="peak")
+    ax.barh([r[0] for r in ok], [float(r[-2]) for r in ok], color="tab:green", label="optimizer state")
+    ax.set_xlabel("MiB per rank (43M GPT, world 2)")
+    ax.invert_yaxis()
+    ax.legend()
+    done = [r for r in sweep if not r[3].startswith("FAILED")]
+    if done:
+        ax = axes[0][1]
+        labels = [f"{r[0]} w{r[2]}" for r in done]
+        xs = range(len(done))
+        ax.bar([x - 0.2 for x in xs], [float(r[3]) for r in done], width=0.4, label="fxzero")
+        ax.bar([x + 0.2 for x in xs], [float(r[4]) for r in done], width=0.4, label="DDP + compile")
+        ax.set_xticks(list(xs), labels)
+        ax.set_ylabel("peak MiB per rank")
+        ax.legend()
+    plotting.save(fig, path)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--world", type=int, default=2, help="ranks for the table")
+    p.add_argument("--only", nargs="+", default=list(CONFIGS), choices=CONFIGS, metavar="CONFIG", help=f"subset of {CONFIGS}")
+    p.add_argument("--model", default="43M", choices=sorted(MODELS), help="the table's model")
+    p.add_argument("--sweep", action="store_true", help="also run the scale sweep (fxzero vs DDP + compile)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
+    p.add_argument("--png", default="memory.png", help="where to write the chart (needs matplotlib)")
+    args = p.parse_args()
+    if args.steps < 2:
+        p.error("need --steps >= 2 (the step time is the median of steps 2+)")
+    model = MODELS[args.model]
+    unit = "torch.cuda.max_memory_allocated" if args.device == "cuda" else "peak RSS (VmHWM)"
+    print(f"# peak memory per rank: torch {torch.__version__}, {args.device}, {args.world} ranks, GPT {model.name} "
+          f"(dim {model.dim}, {model.n_layer} layers, seq {model.seq}, batch {model.batch}/rank), AdamW, {args.steps} steps; {unit}\n")  # fmt: skip
+    results = {config: _run(config, model, args.world, args.steps, args.device) for config in args.only}
+    table = _table(results)
+    headers = ["config", "peak MiB/rank", f"vs {BASELINE}", *(f"{p} peak" for p in PHASES), "opt state MiB/rank", "ms/step"]
+    print()
+    print(tabulate(table, headers=headers, tablefmt="github", disable_numparse=True))
+    print("\n(max over ranks; phase peaks: the highest the process reached during that phase, over all steps.)")
+    _targets(results)
+    sweep = _sweep(args) if args.sweep else []
+    if sweep:
+        headers = ["model", "params", "world", "fxzero peak", "DDP + compile peak", "saving MiB (vs ideal)",
+                   "opt state fxzero / DDP", "fxzero ms", "DDP + compile ms", "time ratio"]  # fmt: skip
+        print("\n## scale sweep: fxzero (Inductor) vs DDP + compile\n")
+        print(tabulate(sweep, headers=headers, tablefmt="github", disable_numparse=True))
+        print("\n(ideal saving: (1 - 1/world) of DDP's AdamW state; ms: median step time of the slower rank, steps 2+, one run.)")
+    _plot(table, sweep, args.png)
+
+
+if __name__ == "__main__":
+    main()
