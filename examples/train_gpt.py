@@ -247,10 +247,8 @@ def main():
     state = reduce(opt.state_bytes, dist.ReduceOp.MAX, device)
     n_buckets, padded = len(opt.buckets), sum(b.plan.numel for b in opt.buffers)
     unpadded = sum(b.plan.numel_unpadded for b in opt.buffers)
-    reduction = {"reduce_scatter": "reduce-scatter", "all_to_all": "all-to-all (gloo's reduce-scatter)"}.get(
-        opt.dp.grad_collective, "all-reduce")
-    gather = "MXFP8 all-gather" if args.mxfp8 else "all-gather"
-    collectives = f"{2 * n_buckets + 1} ({n_buckets} grad {reduction} + {n_buckets} {gather} + 1 norm all-reduce)"
+    counts = opt.collectives_per_step  # c10d op names: gloo reduces by all-to-all chunks, gathers by broadcasts
+    collectives = f"{sum(counts.values())} (" + " + ".join(f"{n} {op}" for op, n in sorted(counts.items())) + ")"
     setup = (f"world {world}, compile {args.compile}, prefetch {'off' if args.no_prefetch else 'on'}, "
              f"MXFP8 gather {'on (in the grad buffer)' if args.mxfp8 else 'off'}")
     rows = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from unittest import mock
 
@@ -304,3 +305,33 @@ def test_module_orders_the_layout_like_megatron_and_group_order_warns(caplog: py
     assert "wte.weight" in last and all(not n.startswith("blocks.1.") for n in last), last
     with pytest.raises(ValueError, match="module holds none"):
         fxzero.DistributedOptimizer(small_model().parameters(), torch.optim.SGD, lr=0.1, module=model)
+
+
+# ---- what one step issues ---------------------------------------------------------
+def _counted_collectives(config: fxzero.Config) -> dict:
+    rank = dist.get_rank()
+    model = build("gpt")
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-3, config=config, module=model)
+    x, y = batch("gpt", 0, 8)
+    for step in range(2):
+        loss = loss_fn("gpt", model(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4])
+        with profile(activities=[ProfilerActivity.CPU]) if step else contextlib.nullcontext() as prof:
+            loss.backward()
+            opt.step()  # under the profiler step() also finishes every gather
+    counted: dict[str, int] = {}
+    for event in prof.events():
+        if event.name.startswith("c10d::") and "barrier" not in event.name:
+            op = event.name[len("c10d::") :].strip("_").replace("_base", "")
+            counted[op] = counted.get(op, 0) + 1
+    return {"counted": counted, "declared": opt.collectives_per_step, "buckets": len(opt.buckets)}
+
+
+@pytest.mark.parametrize(
+    "config",
+    [fxzero.Config(bucket_size=2000), fxzero.Config(bucket_size=2000, grad_collective="all_reduce"), fxzero.Config(bucket_size=2000, mxfp8_param_gather=True)],
+    ids=["gloo-default", "all_reduce", "mxfp8"],
+)
+def test_collectives_per_step_are_what_a_step_issues(config: fxzero.Config) -> None:
+    for result in run_ranks(2, _counted_collectives, config):
+        assert result["buckets"] >= 2
+        assert result["counted"] == result["declared"], result

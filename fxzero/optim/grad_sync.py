@@ -259,6 +259,14 @@ class GradSync:
         self._seen[:] = self._zeros
         self.presence[:] = self._zeros
 
+    def collectives_per_step(self) -> dict[str, int]:
+        """The reductions one step issues, by ``c10d`` op name (as ``torch.profiler`` names them)."""
+        if self.dp.size == 1:
+            return {}
+        if self.exchange is not None:
+            return {"alltoall": sum(map(len, self.exchange.chunks)) * (self.dp.size - 1)}
+        return {"allreduce" if self.dp.grad_collective == "all_reduce" else "reduce_scatter": len(self.buckets)}
+
     @property
     def launched(self) -> tuple[bool, ...]:
         return tuple(self._launched)

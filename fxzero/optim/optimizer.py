@@ -367,6 +367,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return sum(b.nbytes for b in self.buffers) + exchange + self.gather.nbytes + self.param_watch.nbytes
 
     @property
+    def collectives_per_step(self) -> dict[str, int]:
+        """Collectives one training step issues on this rank with ``Config.clip_grad`` or no
+        clipping, by ``c10d`` op name: the gradient reductions, the all-reduce of the norm and
+        gradient flags, the param gathers. None at world size 1."""
+        counts = {**self.grad_sync.collectives_per_step(), **self.param_sync.collectives_per_step()}
+        if self.dp.size > 1:
+            counts["allreduce"] = counts.get("allreduce", 0) + 1
+        return counts
+
+    @property
     def state_bytes(self) -> int:
         """Bytes of optimizer state on this rank: wrapped-optimizer state + separate fp32 mains."""
         total = sum(s.main.nbytes for s in self.shards if not s.main_is_param)

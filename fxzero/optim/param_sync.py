@@ -165,6 +165,14 @@ class ParamSync:
         for index in self.order:
             self.wait(index)
 
+    def collectives_per_step(self) -> dict[str, int]:
+        """The gathers one step issues, by ``c10d`` op name (as ``torch.profiler`` names them)."""
+        if self.dp.size == 1:
+            return {}
+        if self.dp.gather_by_broadcast:
+            return {"broadcast": len(self.buckets) * self.dp.size}
+        return {"allgather": len(self.buckets)}
+
     def is_pending(self, index: int) -> bool:
         """Whether bucket ``index`` still waits for (or has not landed) this step's gather."""
         return self._stale[index]
