@@ -67,3 +67,31 @@ def test_the_counter_sees_reads() -> None:
     with ValueReads(lambda: {id(host)}) as reads:
         t.sum().item(), t.tolist(), bool(t[0]), float(t[0]), torch.equal(t, t), host.item()
     assert reads.reads == ["item", "tolist", "__bool__", "__float__", "equal"]
+
+
+def _reads_with_scaler() -> list[list[str]]:
+    rank = dist.get_rank()
+    model = build("gpt")
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, module=model)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    steps = []
+    for step in range(2):
+        x, y = batch("gpt", step, 8)
+        scaler.scale(loss_fn("gpt", model(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4])).backward()
+        with ValueReads(lambda: {id(s["step"]) for s in opt.local.state.values() if "step" in s}) as reads:
+            opt.grad_scale, opt.found_inf = scaler._scale, torch.zeros(())  # what GradScaler.step hands over
+            opt.step()
+        del opt.grad_scale, opt.found_inf
+        steps.append(reads.reads)
+    return steps
+
+
+def test_what_adds_reads_to_step() -> None:
+    """Documented costs beyond the one read: GradScaler's scale and inf flag; with the MXFP8
+    gather (or bf16/fp16 params) one torch.equal per bucket, checking for values written
+    outside the optimizer."""
+    for steps in run_ranks(2, _reads_with_scaler):
+        assert steps == [["tolist", "__float__", "__float__"]] * 2, steps
+    config = fxzero.Config(bucket_size=2000, mxfp8_param_gather=True)
+    for steps in run_ranks(2, _reads_per_step, config, False):
+        assert steps[0].count("equal") >= 2 and steps == [["equal"] * steps[0].count("equal") + ["tolist"]] * 3, steps
