@@ -16,8 +16,9 @@ backward by an earlier graph (a tied weight read by two graphs) would then fail 
 version check; the wait never changes a value anyone has read.
 
 ``fxzero::grads_ready(Tensor[] grads, Tensor[] params) -> Tensor`` (backward; inserted by
-:mod:`fxzero.passes.bucket_reduce_scatter`) adds ``grads`` into the params' ``main_grad``
-views and reports them, which may launch their bucket's reduce-scatter. What it writes
+:mod:`fxzero.passes.bucket_reduce_scatter` after each group of a bucket's gradients) adds
+``grads`` into the params' ``main_grad`` views and reports them; the bucket's last group
+launches its reduce-scatter. What it writes
 (``main_grad``, collectives) is not a graph value, so it is registered as an *ordered
 effect* (torch's effects system): it is never dead-code eliminated or reordered against
 other effects. It returns an empty token the pass routes to a backward output during

@@ -6,7 +6,8 @@ the current step are in ``main_grad``. Two producers report to it:
 * **eager** regions, through post-accumulate-grad hooks installed here: autograd has
   summed all of a param's eager contributions when the hook fires, so it counts once;
 * **compiled** graphs, through the ``fxzero::grads_ready`` op that the backward pass
-  inserts after a bucket's last gradient in that graph (:mod:`fxzero.ops`).
+  inserts after each group of a bucket's gradients in that graph (its *hand-offs*,
+  :mod:`fxzero.passes.bucket_reduce_scatter`; :mod:`fxzero.ops`).
   Autograd never sees those gradients (the graph returns ``None`` for them), so the
   count is kept here: each run of a compiled forward adds the number of gradients its
   backward will deliver per bucket (:meth:`forward_ran`), and each op subtracts them;
@@ -28,6 +29,9 @@ across a graph break) is discovered when its eager hook fires; its eager contrib
 is expected from then on. The first step after any new graph is compiled is a
 *learning* step that launches only at the end of backward, so such discoveries never
 come after their bucket was launched.
+
+On gloo the reduction is a chunked all-to-all (:mod:`~fxzero.optim.grad_exchange`):
+each gradient hand-off is also a point where it may move on.
 
 The per-step path does no slicing and no allocation: shard views come from the
 :class:`~fxzero.optim.buffers.Bucket` objects, counters are preallocated.
