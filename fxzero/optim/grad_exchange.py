@@ -19,7 +19,7 @@ of its program:
 * :meth:`progress`, called at each gradient hand-off during backward, retires the oldest
   chunk (waits for it and sums it) when every slot is busy and chunks are owed, then
   issues more: the exchange keeps up with backward without a thread of its own;
-* :meth:`complete` / :meth:`complete_all` (the step) retire up to a bucket / everything.
+* :meth:`complete_all` (the step) issues what is still owed and retires everything.
 
 **Sums** are in rank order, as a single all-to-all's ``rows[0] + rows[1] + ...`` would be,
 in place in this rank's shard (float addition commutes: ``own + acc == acc + own``).
@@ -85,7 +85,6 @@ class GradExchange:
         self._params = {b.index: b.params for b in buckets}  # for error messages
         self._owed: collections.deque[_Chunk] = collections.deque()
         self._in_flight: collections.deque[tuple[_Chunk, list[dist.Work], int]] = collections.deque()
-        self._left = [0] * len(buckets)  # chunks of each bucket not retired yet
         self._issued = 0  # chunks issued so far: the next one takes slot issued % slots
 
     def _chunks_of(self, bucket: Bucket) -> Iterator[_Chunk]:
@@ -115,7 +114,6 @@ class GradExchange:
     def launch(self, index: int) -> None:
         """Bucket ``index``'s gradients are all in: queue its chunks, issue what fits."""
         self._owed.extend(self.chunks[index])
-        self._left[index] = len(self.chunks[index])
         self._fill()
 
     def progress(self) -> None:
@@ -125,13 +123,8 @@ class GradExchange:
             self._retire()
             self._fill()
 
-    def complete(self, index: int) -> None:
-        """Finish bucket ``index``'s reduction (issuing and retiring earlier chunks first)."""
-        while self._left[index]:
-            self._fill()
-            self._retire()
-
     def complete_all(self) -> None:
+        """Finish every launched bucket's reduction (the step: issue what is owed, retire all)."""
         while self._in_flight or self._owed:
             self._fill()
             self._retire()
@@ -148,12 +141,6 @@ class GradExchange:
         for work in works:
             self.dp.wait(work, "gradient reduction", chunk.bucket, self._params[chunk.bucket])
         _sum_in_rank_order(chunk.own, chunk.rows[slot], chunk.before)
-        self._left[chunk.bucket] -= 1
-
-    @property
-    def pending(self) -> bool:
-        """Whether any chunk is owed or in flight."""
-        return bool(self._owed or self._in_flight)
 
     @property
     def nbytes(self) -> int:
