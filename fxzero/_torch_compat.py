@@ -17,6 +17,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 __all__ = [
+    "DcpCheckpointable",
     "aot_autograd",
     "batch_norm_base",
     "compile_id",
@@ -284,6 +285,29 @@ def process_group_store(group: Optional[dist.ProcessGroup]) -> dist.Store:
     from torch.distributed.distributed_c10d import _get_process_group_store
 
     return _get_process_group_store(group if group is not None else dist.group.WORLD)
+
+
+class DcpCheckpointable:
+    """Base of objects ``torch.distributed.checkpoint`` plans like a sharded tensor.
+
+    What for: fxzero's checkpoints store each rank's fragment of a logical 1-D tensor
+    (:class:`fxzero.checkpoint.state.Chunk`). DCP asks such objects through its private
+    ``_Checkpointable`` protocol (the dunder methods below); subclasses implement the
+    plainly named ``write_items`` / ``chunk_list``. If DCP renames the protocol, only the
+    dunders here change; without it: ``ShardedTensor`` / ``DTensor`` pieces.
+    """
+
+    def write_items(self, fqn: str) -> list[Any]:
+        raise NotImplementedError
+
+    def chunk_list(self) -> list[Any]:
+        raise NotImplementedError
+
+    def __create_write_items__(self, fqn: str, obj: object) -> list[Any]:
+        return self.write_items(fqn)
+
+    def __create_chunk_list__(self) -> list[Any]:
+        return self.chunk_list()
 
 
 # ---- multi-tensor kernels -----------------------------------------------------------------

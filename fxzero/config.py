@@ -77,8 +77,7 @@ class Config:
     bucket and sums the ``dp`` copies received (the same bytes as a reduce-scatter, plus
     receive buffers for two buckets); ``"all_reduce"`` sums the whole bucket in place
     (twice the bytes, no extra memory). ``"auto"``: all-to-all on gloo, reduce-scatter
-    elsewhere. Measured on gloo/CPU, 1.05M fp32 elements at 2 ranks: reduce-scatter
-    6.8-7.3 ms, all-reduce 4.6-5.9 ms, all-to-all + sum 2.3-3.3 ms."""
+    elsewhere (the README's "Gradients" paragraph has the measurements)."""
 
     overlap_param_gather: bool = True
     """Overlap the param all-gather after ``step()`` with the next forward: the step

@@ -58,8 +58,7 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: A
     results.put((rank, True, _dumps("ready")))
     while (payload := tasks.get()) is not None:
         results.put((rank, *_run_task(payload)))
-        if "torch._dynamo" in sys.modules:  # compiled code must not leak into the next function
-            torch._dynamo.reset()
+        torch.compiler.reset()  # compiled code must not leak into the next function
     dist.destroy_process_group()
 
 

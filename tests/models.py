@@ -198,9 +198,9 @@ class LlamaBlock(nn.Module):
 
 
 class Llama(nn.Module):
-    """A tiny Llama: token embedding, blocks, final RMSNorm, untied head."""
+    """A tiny Llama: token embedding, blocks (one by default), final RMSNorm, untied head."""
 
-    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 2) -> None:
+    def __init__(self, vocab: int = 64, dim: int = 32, layers: int = 1) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.blocks = nn.ModuleList(LlamaBlock(dim) for _ in range(layers))

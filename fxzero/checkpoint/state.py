@@ -42,6 +42,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
+from .._torch_compat import DcpCheckpointable
 from ..optim.layout import Fragment, shard_fragments
 from ..optim.shards import FragmentTensor
 
@@ -76,11 +77,12 @@ class CheckpointError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class Chunk:
+class Chunk(DcpCheckpointable):
     """``local`` is the piece ``[offset, offset + local.numel())`` of a logical 1-D tensor
-    of ``numel`` elements. It speaks DCP's ``_Checkpointable`` protocol, so DCP plans
-    uneven and empty pieces, at any world size, without ShardedTensor (which needs a
-    process group even at world size 1)."""
+    of ``numel`` elements. It speaks DCP's checkpointable protocol
+    (:class:`~fxzero._torch_compat.DcpCheckpointable`), so DCP plans uneven and empty
+    pieces, at any world size, without ShardedTensor (which needs a process group even
+    at world size 1)."""
 
     local: torch.Tensor
     offset: int
@@ -89,13 +91,13 @@ class Chunk:
     def _chunk(self) -> ChunkStorageMetadata:
         return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()]))
 
-    def __create_write_items__(self, fqn: str, obj: object) -> list[WriteItem]:
+    def write_items(self, fqn: str) -> list[WriteItem]:
         if self.local.numel() == 0:
             return []
         data = TensorWriteData(self._chunk(), TensorProperties.create_from_tensor(self.local), torch.Size([self.numel]))
         return [WriteItem(MetadataIndex(fqn, torch.Size([self.offset])), WriteItemType.SHARD, tensor_data=data)]
 
-    def __create_chunk_list__(self) -> list[ChunkStorageMetadata]:
+    def chunk_list(self) -> list[ChunkStorageMetadata]:
         return [self._chunk()] if self.local.numel() else []
 
 

@@ -4,9 +4,9 @@ A :class:`ParamAndGradBuffer` owns two flat tensors laid out by a
 :class:`~fxzero.optim.layout.BufferPlan`: ``param_data`` (each managed param becomes
 a view of it) and ``grad_data`` (each param's ``main_grad`` is a view of it). A
 :class:`Bucket` holds views of one bucket's region and of every rank's shard of it.
-All views are created at construction, because slicing a view costs about 1 µs of
-Python/dispatcher time while fetching a stored one costs ~15 ns, and the per-step
-path touches 2 views per bucket (reduce-scatter and all-gather).
+All views are created at construction, because slicing a view costs dispatcher time on
+every call while fetching a stored one costs almost nothing (``benchmarks/runtime_overhead.py``
+measures both), and the per-step path touches 2 views per bucket (reduce-scatter and all-gather).
 """
 
 from __future__ import annotations

@@ -67,10 +67,9 @@ class DataParallelGroup:
     ) -> "DataParallelGroup":
         """``group=None`` means the default (world) group, or world size 1 when
         ``torch.distributed`` is not initialized. ``"auto"`` picks ``"all_to_all"`` on
-        gloo and ``"reduce_scatter"`` everywhere else. Measured on gloo/CPU, one 1.05M-element
-        fp32 bucket: reduce-scatter 6.8-7.3 ms (it sets up a halving-doubling algorithm
-        per call), all-reduce 4.6-5.9 ms, all-to-all plus the local sum 2.3-3.3 ms at 2
-        ranks; 9.1-9.7 ms all-reduce vs 5.6-5.9 ms all-to-all at 4."""
+        gloo (whose reduce-scatter sets up a halving-doubling algorithm on every call; the
+        README's "Gradients" paragraph has the measurements) and ``"reduce_scatter"``
+        everywhere else."""
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 1, 0)
         if group is not None and not isinstance(group, dist.ProcessGroup):

@@ -59,12 +59,11 @@ from .param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .param_watch import ParamWatch
 from .reduced_grads import ReducedGrads
 from .shards import build_shards
+from .state_dict import STATE_FORMAT, check_state_dict
 from .validation import check_first_order, check_group_keys, check_leaves, check_managed_params
 from .validation import check_optimizer_kwargs, layout_order, tag_param_names
 
 __all__ = ["DistributedOptimizer", "StepResult"]
-
-_STATE_FORMAT = "fxzero.DistributedOptimizer/1"
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +330,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """This rank's state, for a resume at the same world size and layout."""
         self.finish_param_sync()
         return {
-            "format": _STATE_FORMAT,
+            "format": STATE_FORMAT,
             "world_size": self.dp.size,
             "rank": self.dp.rank,
             "layout": self._layout_key(),
@@ -341,7 +340,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        _check_state_dict(state_dict, self)
+        check_state_dict(state_dict, self.dp, self._layout_key(), len(self.param_groups))
         self.local.load_state_dict(state_dict["local"])
         for group, saved in zip(self.param_groups, state_dict["param_groups"]):
             group.update(saved)
@@ -402,22 +401,3 @@ def _remove_handles(handles: list[Any]) -> None:
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
-
-
-def _check_state_dict(state_dict: dict[str, Any], opt: DistributedOptimizer) -> None:
-    if not isinstance(state_dict, dict) or state_dict.get("format") != _STATE_FORMAT:
-        raise ValueError(f"load_state_dict: not a {_STATE_FORMAT} state dict")
-    if state_dict["world_size"] != opt.dp.size or state_dict["rank"] != opt.dp.rank:
-        raise ValueError(
-            f"load_state_dict: saved on rank {state_dict['rank']} of {state_dict['world_size']}, "
-            f"loading on rank {opt.dp.rank} of {opt.dp.size}; same-world-size resume only"
-        )
-    if state_dict["layout"] != opt._layout_key():
-        raise ValueError(
-            f"load_state_dict: bucket layout differs (saved {state_dict['layout']}, current {opt._layout_key()}); "
-            "use the same params, bucket_size and padding as when saving"
-        )
-    if len(state_dict["param_groups"]) != len(opt.param_groups):
-        raise ValueError(
-            f"load_state_dict: {len(state_dict['param_groups'])} saved param groups, optimizer has {len(opt.param_groups)}"
-        )

@@ -18,8 +18,8 @@ every ``step()``:
   that differ into its masters. Version counters would miss ``p.data`` writes (``.data``
   has a counter of its own), so the check compares values: one copy and one comparison
   of 1/dp of those buckets per step, the comparison on 8-byte words where the shard's
-  alignment allows (``torch.equal`` on CPU is ~5x faster on int64 words than on bf16
-  elements). fp32 params without MXFP8 *are* their masters and need no check.
+  alignment allows (fewer, wider elements to compare than bf16 ones). fp32 params
+  without MXFP8 *are* their masters and need no check.
 """
 
 from __future__ import annotations

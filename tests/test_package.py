@@ -1,0 +1,133 @@
+"""The package's shape: no import cycles between fxzero's modules, and every private
+torch API (a ``torch._*`` name or module) used through ``fxzero/_torch_compat.py`` only."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import fxzero
+
+PACKAGE = Path(fxzero.__file__).resolve().parent
+COMPAT = PACKAGE / "_torch_compat.py"
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_imports(tree: ast.Module) -> list[ast.ImportFrom | ast.Import]:
+    """Imports executed when the module is imported: top level, not under TYPE_CHECKING."""
+    found: list[ast.ImportFrom | ast.Import] = []
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.append(node)
+        elif isinstance(node, ast.If) and "TYPE_CHECKING" not in ast.unparse(node.test):
+            found += [n for n in node.body if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return found
+
+
+def _targets(module: str, is_package: bool, node: ast.ImportFrom | ast.Import, known: set[str]) -> set[str]:
+    """fxzero modules (packages included: importing ``a.b`` runs ``a/__init__``) an import loads."""
+    if isinstance(node, ast.Import):
+        names = [alias.name for alias in node.names]
+    else:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)] if node.level else []
+        root = ".".join(base + ([node.module] if node.module else []))
+        names = [root] + [f"{root}.{alias.name}" for alias in node.names]
+    loaded = set()
+    for name in names:
+        parts = name.split(".")
+        loaded |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    return {name for name in loaded if name in known}
+
+
+def _import_graph() -> dict[str, set[str]]:
+    files = {_module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in files.items():
+        tree = ast.parse(path.read_text())
+        edges = set()
+        for node in _runtime_imports(tree):
+            edges |= _targets(module, path.name == "__init__.py", node, set(files))
+        ancestors = {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+        graph[module] = edges - {module} - ancestors  # a package's __init__ always runs before its modules
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for succ in graph[node]:
+            if succ not in index:
+                visit(succ)
+                low[node] = min(low[node], low[succ])
+            elif succ in stack:
+                low[node] = min(low[node], index[succ])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                member = stack.pop()
+                component.append(member)
+                if member == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_no_import_cycles_between_fxzero_modules() -> None:
+    graph = _import_graph()
+    assert "fxzero.optim.optimizer" in graph and "fxzero.ops" in graph["fxzero"]
+    assert _cycles(graph) == []
+
+
+def test_cycle_finder_sees_a_cycle() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _is_dotted_name(node: ast.expr) -> bool:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return isinstance(node, ast.Name)
+
+
+def _private_torch_names(tree: ast.Module) -> list[str]:
+    """Dotted ``torch...`` names (attributes and imports) with a ``_private`` part."""
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names += [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.Attribute) and _is_dotted_name(node):
+            names.append(ast.unparse(node))
+    private = []
+    for name in names:
+        parts = name.split(".")
+        if parts[0] == "torch" and any(p.startswith("_") and not p.startswith("__") for p in parts):
+            private.append(name)
+    return private
+
+
+def test_private_torch_apis_only_in_the_compat_module() -> None:
+    found = {
+        str(path.relative_to(PACKAGE)): sorted(set(_private_torch_names(ast.parse(path.read_text()))))
+        for path in PACKAGE.rglob("*.py")
+        if path != COMPAT
+    }
+    assert {path: names for path, names in found.items() if names} == {}
+    assert _private_torch_names(ast.parse(COMPAT.read_text()))  # the compat module is where they are
