@@ -63,7 +63,8 @@ def build(config: str, model: torch.nn.Module, bucket_size, *, group=None, devic
     """(callable model, optimizer, () -> optimizer-state bytes on this rank).
 
     Besides :data:`CONFIGS`: ``"fxzero eager"`` (the optimizer without torch.compile),
-    ``"DDP gabv"`` (``DDP(gradient_as_bucket_view=True)``), ``"floor"`` (forward and
+    ``"DDP gabv"`` (``DDP(gradient_as_bucket_view=True)``; ``"DDP gabv + compile"``,
+    ``"DDP gabv + aot_eager"``: compiled with Inductor / ``backend="aot_eager"``), ``"floor"`` (forward and
     backward of the eager model, no optimizer). ``group``: the process group every
     wrapper and optimizer uses (default: the world); ``device_ids``: DDP's, on a GPU."""
     AdamW = torch.optim.AdamW
@@ -91,13 +92,15 @@ def build(config: str, model: torch.nn.Module, bucket_size, *, group=None, devic
         return (torch.compile(model) if "compile" in config else model), opt, lambda: _state_nbytes(opt.state)
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    ddp = DDP(model, device_ids=device_ids, process_group=group, gradient_as_bucket_view=config == "DDP gabv")
+    ddp = DDP(model, device_ids=device_ids, process_group=group, gradient_as_bucket_view=config.startswith("DDP gabv"))
     if config.startswith("DDP + ZeRO"):
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
         opt = ZeroRedundancyOptimizer(param_groups(model), optimizer_class=AdamW, lr=LR, betas=BETAS, process_group=group)
         return ddp, opt, lambda: _state_nbytes(opt.optim.state)
     opt = AdamW(param_groups(model), lr=LR, betas=BETAS)
+    if config.endswith("aot_eager"):  # AOTAutograd + FX code: the stack of fxzero's eager inner compiler
+        return torch.compile(ddp, backend="aot_eager"), opt, lambda: _state_nbytes(opt.state)
     return (torch.compile(ddp) if "compile" in config else ddp), opt, lambda: _state_nbytes(opt.state)
 
 

@@ -73,11 +73,14 @@ class ParamAndGradBuffer:
         device = params[0].device
         # Padding must read as zeros: it is reduced, gathered and normed like real data.
         self.param_data = torch.zeros(plan.numel, dtype=self.param_dtype, device=device)
-        self.grad_data = torch.zeros(plan.numel, dtype=self.grad_dtype, device=device)
         for param, (start, end, _) in zip(self.params, plan.param_ranges):
             view = self.param_data[start:end].view(param.shape)
             view.copy_(param.data)
-            param.data = view
+            param.data = view  # the param's old storage is freed here (unless held elsewhere)
+        # Allocated once the old storages are gone: construction peaks at two copies of the
+        # params, not three (with world >= 4 that was the run's peak, above training's).
+        self.grad_data = torch.zeros(plan.numel, dtype=self.grad_dtype, device=device)
+        for param, (start, end, _) in zip(self.params, plan.param_ranges):
             param.main_grad = self.grad_data[start:end].view(param.shape)
         self.buckets = tuple(self._make_bucket(i, first_bucket_index + i) for i in range(len(plan.buckets)))
 
