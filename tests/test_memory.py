@@ -6,6 +6,7 @@ The peak-memory comparison with DDP, ZeroRedundancyOptimizer and FSDP2 is
 
 from __future__ import annotations
 
+import ctypes
 from pathlib import Path
 
 import torch
@@ -72,3 +73,27 @@ def test_default_bucket_size_on_gloo() -> None:
     for result in run_ranks(2, _gloo_communication, "auto"):
         assert result["bucket_size"] == fxzero.default_bucket_size(2, "gloo") == 4_000_000
         assert result["buckets"] == 3  # one 4M-element weight each
+
+
+def _construction_peak() -> dict:
+    """Peak RSS the optimizer's construction adds over a model of three 16 MiB weights. glibc's
+    mmap threshold is fixed first (as ``benchmarks/memory.py`` does), so a freed tensor leaves
+    the resident set: otherwise a pool process that already freed large blocks keeps them in
+    its heap, and RSS shows the allocator's history instead of the tensors held."""
+    ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD: 1 MiB, no dynamic raise
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)  # its first use imports torch._dynamo (~27 MiB)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048, bias=False) for _ in range(3)])
+    params_mib = sum(p.nbytes for p in model.parameters()) / 2**20
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = _status_mib("VmRSS")
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=None))
+    return {"added_mib": _status_mib("VmHWM") - before, "params_mib": params_mib, "buffers_mib": opt.runtime_bytes / 2**20}
+
+
+def test_construction_peaks_at_two_copies_of_the_params() -> None:
+    """The params move into their flat buffer (their old storages freed) before the grad
+    buffer exists: construction adds one model's worth at its peak (the new param buffer,
+    then the grad buffer), not two (both buffers beside the old params)."""
+    (result,) = run_ranks(1, _construction_peak)
+    assert result["params_mib"] == 48 and result["buffers_mib"] == 96, result
+    assert result["added_mib"] < 1.3 * result["params_mib"], result
