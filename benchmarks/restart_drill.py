@@ -45,7 +45,7 @@ def start_job(ckpt_dir: Path, args: argparse.Namespace, kill_at: int | None) -> 
     # checks for, so the killed job's agent looks every 3 s instead.
     cmd += ["--max-restarts", "1", "--monitor-interval", "3"] if kill_at else []
     cmd += [str(REPO / "examples" / "train_gpt.py"), "--steps", str(args.steps), "--log-every", "1", *MODEL]
-    cmd += ["--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(args.ckpt_every)]
+    cmd += ["--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(args.ckpt_every), "--compile", args.compile]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("FXZERO_EXAMPLE_KILL_AT_STEP", None)
     if kill_at:
@@ -76,6 +76,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--ckpt-every", type=int, default=8)
     p.add_argument("--kill-at", type=int, default=13)
+    p.add_argument("--compile", choices=["inductor", "eager", "none"], default="inductor", help="train_gpt.py's --compile")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         plain, restarted = Path(tmp) / "uninterrupted", Path(tmp) / "restarted"
