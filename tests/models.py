@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn as nn
@@ -272,6 +273,23 @@ def loss_fn(name: str, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     if kind(name) == "conv":
         return F.cross_entropy(out, target)
     return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+
+def train_steps(
+    name: str, forward: Callable[[torch.Tensor], torch.Tensor], opt: torch.optim.Optimizer, steps: Iterable[int],
+    size: int, device: Optional[str] = None,
+) -> list[float]:
+    """Forward, backward, ``opt.step()``, ``opt.zero_grad()`` on ``batch(name, step, size)`` for
+    each step (moved to ``device`` if given); the losses."""
+    losses = []
+    for step in steps:
+        x, y = (t.to(device) for t in batch(name, step, size)) if device else batch(name, step, size)
+        loss = loss_fn(name, forward(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
 
 
 def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:

@@ -23,7 +23,7 @@ import torch
 import fxzero
 import fxzero.backend
 
-from models import GPT, GPTArgs, batch, build, loss_fn
+from models import GPT, GPTArgs, build, train_steps
 
 LR = 1e-2
 _TESTS = Path(__file__).resolve().parent
@@ -78,18 +78,6 @@ def test_dropped_optimizers_and_compiled_models_are_freed() -> None:
 
 
 # ---- a new optimizer over already-compiled params ------------------------------------------
-def _steps(forward, model, opt, first: int, count: int) -> list[float]:  # type: ignore[no-untyped-def]
-    losses = []
-    for step in range(first, first + count):
-        x, y = batch("gpt", step, 4)
-        loss = loss_fn("gpt", forward(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _optimizer(model: torch.nn.Module, bucket_size: int) -> fxzero.DistributedOptimizer:
     config = fxzero.Config(bucket_size=bucket_size)
     return fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, config=config, module=model)
@@ -109,8 +97,8 @@ def test_a_new_optimizer_takes_over_the_compiled_graphs() -> None:
                 gc.collect()
                 assert dropped() is None
                 opt = _optimizer(model, bucket_size)
-            losses += _steps(cmodel, model, opt, first, 2)
-            expected += _steps(reference, reference, torch.optim.AdamW(reference.parameters(), lr=LR), first, 2)
+            losses += train_steps("gpt", cmodel, opt, range(first, first + 2), 4)
+            expected += train_steps("gpt", reference, torch.optim.AdamW(reference.parameters(), lr=LR), range(first, first + 2), 4)
             # the same compiled graph serves each new optimizer, also with another layout:
             # its ops resolve their params against the optimizer that owns them now
             assert compiles.call_count == 1
@@ -162,11 +150,11 @@ def test_a_graph_reused_for_n_blocks_compiles_once() -> None:
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, config=fxzero.Config(bucket_size=3000), module=model)
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     with mock.patch.object(fxzero.backend, "_GraphCompiler", wraps=fxzero.backend._GraphCompiler) as compiles:
-        losses = _steps(cmodel, model, opt, 0, 3)
+        losses = train_steps("gpt", cmodel, opt, range(3), 4)
     # GPT.forward graph-breaks in its loop: Dynamo compiles each module's forward; the
     # four blocks share one graph, so exactly one compile has a block's params
     per_block = len(list(model.blocks[0].parameters()))
     managed = [len(call.args[2]) for call in compiles.call_args_list]
     assert managed.count(per_block) == 1, managed
-    expected = _steps(reference, reference, torch.optim.AdamW(reference.parameters(), lr=LR), 0, 3)
+    expected = train_steps("gpt", reference, torch.optim.AdamW(reference.parameters(), lr=LR), range(3), 4)
     torch.testing.assert_close(losses, expected, atol=1e-5, rtol=0)

@@ -13,28 +13,16 @@ import torch.distributed as dist
 import fxzero
 from fxzero import mxfp8
 
-from models import batch, build, loss_fn, param_groups
+from models import batch, build, loss_fn, param_groups, train_steps
 
 pytestmark = pytest.mark.cuda
 
 LR, STEPS, GLOBAL = 1e-2, 4, 8
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, run: torch.nn.Module) -> list[float]:
-    losses = []
-    for step in range(STEPS):
-        x, y = (t.cuda() for t in batch("gpt", step, GLOBAL))
-        loss = loss_fn("gpt", run(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
     model = build("gpt").cuda()
-    losses = _train(model, torch.optim.AdamW(param_groups(model), lr=LR), model)
+    losses = train_steps("gpt", model, torch.optim.AdamW(param_groups(model), lr=LR), range(STEPS), GLOBAL, "cuda")
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
@@ -44,7 +32,7 @@ def _check_fxzero(group: object) -> None:
     torch._dynamo.reset()
     model = build("gpt").cuda()
     opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model, process_group=group)
-    losses = _train(model, opt, torch.compile(model, backend="fxzero"))
+    losses = train_steps("gpt", torch.compile(model, backend="fxzero"), opt, range(STEPS), GLOBAL, "cuda")
     ref_losses, ref_params = _reference()
     torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
     for name, param in model.named_parameters():

@@ -14,7 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 import fxzero
 from fxzero.testing import run_ranks
 
-from models import batch, build, loss_fn, param_groups
+from models import batch, build, loss_fn, param_groups, train_steps
 
 
 def small_model() -> torch.nn.Module:
@@ -169,27 +169,16 @@ def test_state_dict_round_trip_continues_training_exactly() -> None:
     model = build("gpt")
     opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, config=fxzero.Config(bucket_size=3000))
 
-    def run(m: torch.nn.Module, o: torch.optim.Optimizer, steps: range) -> list[float]:
-        losses = []
-        for step in steps:
-            x, y = batch("gpt", step, 4)
-            loss = loss_fn("gpt", m(x), y)
-            loss.backward()
-            o.step()
-            o.zero_grad()
-            losses.append(loss.item())
-        return losses
-
-    run(model, opt, range(3))
+    train_steps("gpt", model, opt, range(3), 4)
     saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
-    expected = run(model, opt, range(3, 6))
+    expected = train_steps("gpt", model, opt, range(3, 6), 4)
     resumed = build("gpt", seed=123)
     resumed_opt = fxzero.DistributedOptimizer(
         param_groups(resumed), torch.optim.AdamW, lr=1e-2, config=fxzero.Config(bucket_size=3000)
     )
     resumed.load_state_dict(saved_model)
     resumed_opt.load_state_dict(saved_opt)
-    assert run(resumed, resumed_opt, range(3, 6)) == expected
+    assert train_steps("gpt", resumed, resumed_opt, range(3, 6), 4) == expected
     other = fxzero.DistributedOptimizer(param_groups(build("gpt")), torch.optim.AdamW, lr=1e-2)
     with pytest.raises(ValueError, match="bucket layout differs"):
         other.load_state_dict(saved_opt)
