@@ -54,10 +54,9 @@ class DataParallelGroup:
     rank: int
     grad_collective: Literal["reduce_scatter", "all_reduce", "all_to_all"] = "reduce_scatter"
     """How a bucket's gradients are averaged into this rank's shard (see :meth:`reduce_grads_async`)."""
-    gather_by_broadcast: bool = False
-    """All-gathers run as one in-place broadcast per rank (gloo, see :meth:`all_gather_async`)."""
     backend: str = ""
-    """The group's backend name (``""`` without a process group): it picks the default bucket size."""
+    """The group's backend name (``""`` without a process group): it picks the default bucket
+    size and how params are gathered."""
 
     @classmethod
     def resolve(
@@ -78,10 +77,15 @@ class DataParallelGroup:
         rank = dist.get_rank(group)
         if rank < 0:
             raise ValueError("process_group does not contain this process (rank -1)")
-        gloo = dist.get_backend(group) == "gloo"
+        backend = str(dist.get_backend(group))
         if grad_collective == "auto":
-            grad_collective = "all_to_all" if gloo else "reduce_scatter"
-        return cls(group, size, rank, grad_collective, gather_by_broadcast=gloo, backend=str(dist.get_backend(group)))
+            grad_collective = "all_to_all" if backend == "gloo" else "reduce_scatter"
+        return cls(group, size, rank, grad_collective, backend=backend)
+
+    @property
+    def gather_by_broadcast(self) -> bool:
+        """All-gathers run as one in-place broadcast per rank (gloo, see :meth:`all_gather_async`)."""
+        return self.backend == "gloo"
 
     @property
     def post_scale(self) -> float:
