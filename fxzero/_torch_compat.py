@@ -18,6 +18,7 @@ import torch.nn as nn
 
 __all__ = [
     "DcpCheckpointable",
+    "InductorCompilers",
     "aot_autograd",
     "batch_norm_base",
     "compile_id",
@@ -28,7 +29,6 @@ __all__ = [
     "foreach_norm",
     "gradient_ops",
     "in_backward",
-    "inductor_compile",
     "inductor_decompositions",
     "inductor_partition",
     "inductor_post_grad_pass",
@@ -82,11 +82,62 @@ def inductor_partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) 
     return partition_fn(joint, joint_inputs, **kwargs)
 
 
-def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool) -> Callable[..., Any]:
-    """Compile one AOT graph to Inductor kernels. ``torch._inductor.compile_fx.compile_fx_inner``."""
-    from torch._inductor.compile_fx import compile_fx_inner
+class InductorCompilers:
+    """Inductor's forward/backward compilers for the AOT graphs of one Dynamo graph, set up
+    as ``torch.compile``'s own Inductor backend sets them up (``compile_fx``'s
+    ``fw_compiler_base`` / ``bw_compiler``): the same static inputs (params are never
+    checked for alignment, never copied at run time), the same joint-graph passes on
+    inference graphs, and the forward's user outputs keep the strides eager gives them.
 
-    return compile_fx_inner(gm, example_inputs, is_backward=is_backward)
+    One addition: ``forward(..., keep_outputs=...)`` names forward outputs that Inductor
+    must return exactly as it got them. fxzero names the params the forward returns for
+    the backward: with layout optimization (conv models) Inductor would otherwise make a
+    channels-last copy of each such conv weight *when it lowers the input*, before any
+    node of the graph, and every later user of the input, fxzero's gather wait and the
+    backward included, would get that copy, filled before the wait (a stale read). Kept
+    as they are, the conv's own lowering makes its channels-last copy where the conv is,
+    after the wait (ordered by the wait's declared write), and the backward converts the
+    param again (one copy of the weight per conv in the backward). The marking is
+    ``output.meta["user_visible_output_idxs"]``, the meta Inductor's lowering reads to
+    decide which outputs keep their strides (``GraphLowering.run_node``), derived from the
+    graph's own code, so Inductor's FX graph cache (keyed on the code) stays sound.
+
+    Uses ``torch._inductor.compile_fx.{compile_fx_forward, compile_fx_backward,
+    compile_fx_inner, create_compiler_config_extra, get_num_model_outputs}``. If they
+    move: ``compile_fx_inner`` directly, setting the output meta the same way."""
+
+    def __init__(self, dynamo_gm: fx.GraphModule, num_example_inputs: int) -> None:
+        from torch._inductor.compile_fx import create_compiler_config_extra, get_num_model_outputs
+
+        self._extra = create_compiler_config_extra(dynamo_gm)
+        self._num_outputs = get_num_model_outputs(dynamo_gm)
+        self._num_inputs = num_example_inputs
+
+    def forward(
+        self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, is_inference: bool, keep_outputs: Sequence[int]
+    ) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx_forward, compile_fx_inner
+
+        def inner(graph: fx.GraphModule, inputs: Sequence[Any], **kwargs: Any) -> Any:
+            output = graph.graph.find_nodes(op="output")[0]
+            visible = output.meta.get("user_visible_output_idxs") or []
+            output.meta["user_visible_output_idxs"] = sorted({*visible, *keep_outputs})
+            return compile_fx_inner(graph, inputs, **kwargs)
+
+        return compile_fx_forward(
+            gm,
+            example_inputs,
+            num_orig_model_outputs=self._num_outputs,
+            num_example_inputs=self._num_inputs,
+            compiler_config_extra=self._extra,
+            inner_compile=inner,
+            is_inference=is_inference,
+        )
+
+    def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        from torch._inductor.compile_fx import compile_fx_backward
+
+        return compile_fx_backward(gm, example_inputs, compiler_config_extra=self._extra)
 
 
 @contextlib.contextmanager

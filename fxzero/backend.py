@@ -40,7 +40,7 @@ from .optim.binding import counting_forward, owner_of
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
 from .passes.bucket_reduce_scatter import ManagedParam
 from .passes.matchers import is_grads_ready
-from .passes.param_gather_wait import hoist_waits_above_readers
+from .passes.param_gather_wait import hoist_waits_above_readers, waited_params_returned
 
 __all__ = ["BackendOptions", "fxzero_backend"]
 
@@ -91,7 +91,8 @@ def fxzero_backend(
     names = compat.dynamo_input_names(gm)
     dumper = GraphDumper(opts.dump_dir, owners, managed, names, example_inputs)
     hooked = _hooked_positions(example_inputs, managed, names)
-    hooks = _GraphCompiler(opts, len(example_inputs), [m for m in managed if m.position not in hooked], dumper)
+    inductor_compilers = compat.InductorCompilers(gm, len(example_inputs)) if inductor else None
+    hooks = _GraphCompiler(opts, len(example_inputs), [m for m in managed if m.position not in hooked], dumper, inductor_compilers)
     compiled = compat.aot_autograd(
         fw_compiler=hooks.forward,
         bw_compiler=hooks.backward,
@@ -145,8 +146,15 @@ class _GraphCompiler:
     It keeps plain data (positions, plans) and the dump record, never an optimizer.
     ``managed`` are the params whose gradients go to fxzero (tensor-hooked ones excluded)."""
 
-    def __init__(self, opts: BackendOptions, num_inputs: int, managed: list[ManagedParam], dumper: GraphDumper) -> None:
-        self.opts, self.num_inputs, self.managed, self.dumper = opts, num_inputs, managed, dumper
+    def __init__(
+        self,
+        opts: BackendOptions,
+        num_inputs: int,
+        managed: list[ManagedParam],
+        dumper: GraphDumper,
+        inductor: Optional[compat.InductorCompilers],
+    ) -> None:
+        self.opts, self.num_inputs, self.managed, self.dumper, self.inductor = opts, num_inputs, managed, dumper, inductor
         self.id = next(_graph_ids)
         self.delivered: frozenset[int] = frozenset()
         """Forward input positions whose gradients the backward hands to fxzero."""
@@ -178,11 +186,21 @@ class _GraphCompiler:
 
     def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = self.dumper.around("backward", gm, lambda g, observe: run_backward_passes(g, example_inputs, observe=observe))
-        return _inner_compile(self.opts, gm, example_inputs, is_backward=True)
+        if self.inductor is None:
+            return make_boxed_func(gm.forward)
+        return self.inductor.backward(gm, example_inputs)
 
     def _forward_graph(self, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         gm = self.dumper.around(kind, gm, lambda g, observe: run_forward_passes(g, example_inputs, observe=observe, managed=self.managed))
-        return _inner_compile(self.opts, gm, example_inputs, is_backward=False)
+        if self.inductor is None:
+            return make_boxed_func(gm.forward)
+        # Inductor's own FX rewrites run after fxzero's passes: the last of them puts any
+        # param read they moved above its bucket's wait back below it. The params the
+        # forward returns for the backward are returned as they are (no layout copy made
+        # at the graph's start, before the waits: see compat.InductorCompilers).
+        keep = waited_params_returned(gm)
+        with compat.inductor_post_grad_pass(hoist_waits_above_readers, _pass_uuid()):
+            return self.inductor.forward(gm, example_inputs, is_inference=kind == "inference", keep_outputs=keep)
 
 
 def _delivered_positions(joint: fx.GraphModule) -> frozenset[int]:
@@ -190,17 +208,6 @@ def _delivered_positions(joint: fx.GraphModule) -> frozenset[int]:
     primals = [n for n in joint.graph.nodes if n.op == "placeholder"]
     index = {node: i for i, node in enumerate(primals)}
     return frozenset(index[p] for n in joint.graph.nodes if is_grads_ready(n) for p in n.args[1])
-
-
-def _inner_compile(options: BackendOptions, gm: fx.GraphModule, example_inputs: Sequence[Any], *, is_backward: bool) -> Callable:
-    if options.inner_compiler == "eager":
-        return make_boxed_func(gm.forward)
-    if is_backward:
-        return compat.inductor_compile(gm, example_inputs, is_backward=True)
-    # Inductor's own FX rewrites run after fxzero's passes: the last of them puts any
-    # param read they moved above its bucket's wait back below it.
-    with compat.inductor_post_grad_pass(hoist_waits_above_readers, _pass_uuid()):
-        return compat.inductor_compile(gm, example_inputs, is_backward=False)
 
 
 @functools.lru_cache(maxsize=None)

@@ -125,6 +125,21 @@ class BranchMLP(MLP):
         return self.out(h)
 
 
+class AdapterNet(nn.Module):
+    """A shared trunk around same-shaped adapters picked by a Python int (multi-task
+    adapters; MoE experts routed in Python). The graphs compiled for different picks
+    share their first and last params and their length, and differ in between."""
+
+    def __init__(self, adapters: int = 4, dim: int = 24) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, dim)
+        self.adapters = nn.ModuleList(nn.Linear(dim, dim) for _ in range(adapters))
+        self.out = nn.Linear(dim, 8)
+
+    def forward(self, x: torch.Tensor, pick: int = 0) -> torch.Tensor:
+        return self.out(F.gelu(self.adapters[pick](F.gelu(self.inp(x)))))
+
+
 class FrozenMLP(MLP):
     """An MLP whose first layer is frozen (requires_grad=False, in no optimizer)."""
 
@@ -227,6 +242,7 @@ MODELS = {
     "gpt_loop_break": lambda: GPT(GPTArgs(loop_break=True)),
     "mlp_branch": BranchMLP,
     "mlp_frozen": FrozenMLP,
+    "adapters": AdapterNet,
     "rmsnet": NormNet,
     "lnnet": lambda: NormNet("layer"),
     "llama": Llama,

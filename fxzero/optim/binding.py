@@ -12,14 +12,25 @@ themselves as graph values; the runtime finds their optimizer through the param
   resolves their params against its own layout (even another bucket size).
 
 What is derived for a param set (its buckets, ``main_grad`` views, slots) is computed on
-its first call and cached in the binding, keyed by the identity of the set's first and
-last param and its length (an O(1) key: Dynamo reuses a graph for other *modules*,
-whose params all differ). The cache lives and dies with the optimizer.
+its first call and cached in the binding, keyed by the **whole identity** of the set: the
+``id`` of every param in it, in order (:func:`identity`). That key is sound because an
+entry is stored only after every param in it resolved to one of this optimizer's params,
+which the binding holds alive: no other object can take one of those ids while the entry
+exists, so equal keys mean the same params in the same order. (A key made of part of the
+set, such as its first and last param and its length, mixed up two graphs that share
+those but differ in between: adapters or experts picked in Python.) Building the key is
+one C-level pass over the call's params, no Python loop. The cache lives and dies with
+the optimizer.
+
+What a call receives must be the params themselves: a tensor that is not a managed param
+(a copy some compiler made of one, which would also be a read before its gather landed)
+is refused with an error saying so, never looked up by shape or position.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -28,7 +39,7 @@ from .._torch_compat import foreach_add_
 from .grad_sync import GradSync
 from .param_sync import ParamSync
 
-__all__ = ["GraphBinding", "InputBinding", "backward_node", "binding_of", "counting_forward", "owner_of"]
+__all__ = ["GraphBinding", "InputBinding", "backward_node", "binding_of", "counting_forward", "identity", "owner_of"]
 
 
 def owner_of(param: Any) -> Any:
@@ -38,9 +49,12 @@ def owner_of(param: Any) -> Any:
 
 
 def binding_of(param: torch.Tensor) -> "GraphBinding":
-    """The binding of ``param``'s optimizer; a clear error when it has none any more."""
+    """The binding of ``param``'s optimizer; a clear error when it has none any more, or
+    when ``param`` is not a managed param at all (a compiler's copy of one)."""
     owner = owner_of(param)
     if owner is None:
+        if not hasattr(param, "_fxzero_owner"):
+            raise RuntimeError(not_a_param_message(param))
         name = getattr(param, "_fxzero_name", None) or f"of shape {tuple(param.shape)}"
         raise RuntimeError(
             f"fxzero: a compiled graph reads param {name}, which was compiled for a fxzero.DistributedOptimizer "
@@ -71,8 +85,19 @@ class _Group:
     slots: torch.Tensor
 
 
-def _key(params: Sequence[Any]) -> tuple[int, int, int]:
-    return id(params[0]), id(params[-1]), len(params)
+def identity(params: Sequence[Any]) -> tuple[int, ...]:
+    """The whole identity of a param sequence: every param's ``id``, in order."""
+    return tuple(map(id, params))
+
+
+def not_a_param_message(value: Any) -> str:
+    shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+    return (
+        f"fxzero: a compiled graph handed fxzero a tensor of shape {shape} where a managed param belongs: a "
+        "compiler replaced the param by a copy (for example a layout conversion) before its all-gather wait, so "
+        "that copy may hold last step's values. This is a bug in fxzero's handling of that compiler transform; "
+        "please report it with TORCH_LOGS=output_code. Meanwhile options={'inner_compiler': 'eager'} avoids it."
+    )
 
 
 class GraphBinding:
@@ -84,9 +109,10 @@ class GraphBinding:
         self.token = torch.empty(0, device=self._params[0].device)
         """What ``fxzero::grads_ready`` returns (nothing reads it): made once, not per call."""
         self._slot_of = {id(p): slot for slot, p in enumerate(self._params)}
-        self._grad_groups: dict[tuple[int, int, int], tuple[_Group, ...]] = {}
-        self._wait_buckets: dict[tuple[int, int, int], tuple[int, ...]] = {}
-        self._counts: dict[tuple[int, int, int, int], list[tuple[int, int]]] = {}
+        # Per-step caches, each keyed by the whole identity of a param set (see the module docstring).
+        self._grad_groups: dict[tuple[int, ...], tuple[_Group, ...]] = {}
+        self._wait_buckets: dict[tuple[int, ...], tuple[int, ...]] = {}
+        self._counts: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
 
     # ---- compile time -------------------------------------------------------------
     def describe(self, inputs: Sequence[Any]) -> InputBinding:
@@ -104,6 +130,8 @@ class GraphBinding:
     def _slot(self, param: Any) -> int:
         slot = self._slot_of.get(id(param))
         if slot is None or self._params[slot] is not param:
+            if not hasattr(param, "_fxzero_owner"):
+                raise RuntimeError(not_a_param_message(param))
             raise RuntimeError(
                 f"fxzero: param of shape {tuple(param.shape)} reached an optimizer that does not manage it "
                 "(a compiled graph mixes params of two DistributedOptimizers in one bucket launch); "
@@ -114,9 +142,10 @@ class GraphBinding:
     # ---- fxzero::grads_ready --------------------------------------------------------
     def grads_ready(self, grads: Sequence[torch.Tensor], params: Sequence[torch.Tensor]) -> None:
         """Add one backward graph's ``grads`` of ``params`` into ``main_grad``; report them."""
-        groups = self._grad_groups.get(_key(params))
+        key = identity(params)
+        groups = self._grad_groups.get(key)
         if groups is None:
-            groups = self._grad_groups[_key(params)] = self._grad_groups_of(params)
+            groups = self._grad_groups[key] = self._grad_groups_of(params)
         sync = self.grad_sync
         for group in groups:
             if sync.before_grad_write is not None:
@@ -143,21 +172,22 @@ class GraphBinding:
     # ---- fxzero::wait_params --------------------------------------------------------
     def wait(self, params: Sequence[torch.Tensor]) -> None:
         """Make ``params`` current: wait for (and land) their buckets' gathers."""
-        buckets = self._wait_buckets.get(_key(params))
+        key = identity(params)
+        buckets = self._wait_buckets.get(key)
         if buckets is None:
             found = {self._bucket(p) for p in params}
-            buckets = self._wait_buckets[_key(params)] = tuple(sorted(found, reverse=True))  # forward order
+            buckets = self._wait_buckets[key] = tuple(sorted(found, reverse=True))  # forward order
         self.param_sync.wait_many(buckets)
 
     # ---- each run of a compiled forward --------------------------------------------
-    def forward_ran(self, graph: int, args: Sequence[Any], positions: Sequence[int], delivered: frozenset[int], node: Any) -> None:
-        """A compiled forward (``graph`` identifies it) ran with ``args``; its backward,
-        from autograd ``node``, delivers the gradients of the params at ``positions``
-        that are in ``delivered``."""
-        key = (graph, id(args[positions[0]]), id(args[positions[-1]]), len(positions))
+    def forward_ran(self, graph: int, params: Sequence[Any], positions: Sequence[int], delivered: frozenset[int], node: Any) -> None:
+        """A compiled forward (``graph`` identifies it) ran with ``params`` at input
+        ``positions``; its backward, from autograd ``node``, delivers the gradients of
+        those whose position is in ``delivered``."""
+        key = (graph, identity(params))
         counts = self._counts.get(key)
         if counts is None:
-            counts = self._counts[key] = self._register([args[p] for p in positions], [p in delivered for p in positions])
+            counts = self._counts[key] = self._register(params, [p in delivered for p in positions])
         self.grad_sync.forward_ran(counts, node)
 
     def _register(self, params: Sequence[Any], delivered: Sequence[bool]) -> list[tuple[int, int]]:
@@ -177,17 +207,27 @@ def counting_forward(
     """Wrap a compiled Dynamo graph so that each run that builds an autograd graph tells
     the owner of each group of ``positions`` (one per optimizer) which gradients its
     backward will deliver (``delivered()``: known once the graph is partitioned)."""
-    groups = [tuple(group) for group in positions if group]
+    groups = [(tuple(group), _getter(group)) for group in positions if group]
 
     def run(*args: Any) -> Any:
         outputs = compiled(*args)
         node = backward_node(outputs)
         if node is not None:
-            for group in groups:
-                binding_of(args[group[0]]).forward_ran(graph, args, group, delivered(), node)
+            for group, params_of in groups:
+                params = params_of(args)
+                binding_of(params[0]).forward_ran(graph, params, group, delivered(), node)
         return outputs
 
     return run
+
+
+def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
+    """``args -> tuple(args[p] for p in positions)``, in C (``itemgetter`` of one position
+    returns the item itself, so that case is wrapped)."""
+    if len(positions) == 1:
+        position = positions[0]
+        return lambda args: (args[position],)
+    return operator.itemgetter(*positions)
 
 
 def backward_node(outputs: Any) -> Any:

@@ -30,6 +30,7 @@ ParamSync only orders launches, waits and landings.
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
@@ -190,14 +191,23 @@ class _WaitBeforeForward:
     between them and one compiled graph serves them all (a hook per module carrying its
     bucket indices made Dynamo recompile every block)."""
 
-    def __init__(self, sync: ParamSync, buckets_of_module: dict[int, tuple[int, ...]]) -> None:
-        self.sync, self.buckets_of_module = sync, buckets_of_module
+    def __init__(self, sync: ParamSync, modules: Sequence[tuple[torch.nn.Module, tuple[int, ...]]]) -> None:
+        self.sync = sync
+        self.buckets_of_module = {id(m): (weakref.ref(m), buckets) for m, buckets in modules}
+        """``id(module) -> (weakref to it, its buckets)``: the weakref confirms the whole
+        identity (an id alone could be a later object's, once the module is gone)."""
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         # In a compiled region the graph's own fxzero::wait_params ops order the reads.
         if torch.compiler.is_compiling():
             return
-        self.sync.wait_many(self.buckets_of_module[id(module)])
+        ref, buckets = self.buckets_of_module.get(id(module), (None, ()))
+        if ref is None or ref() is not module:
+            raise RuntimeError(
+                f"fxzero: module {type(module).__name__} carries the param-gather hook of a "
+                "DistributedOptimizer that does not manage its params (a copy of a managed module?)"
+            )
+        self.sync.wait_many(buckets)
 
 
 def install_param_waits(module: torch.nn.Module, buckets: Sequence[Bucket], sync: ParamSync) -> list[Any]:
@@ -210,7 +220,7 @@ def install_param_waits(module: torch.nn.Module, buckets: Sequence[Bucket], sync
         owned = {bucket_of[id(p)] for p in sub._parameters.values() if p is not None and id(p) in bucket_of}
         if owned:
             owners[id(sub)] = (sub, tuple(sorted(owned, reverse=True)))
-    hook = _WaitBeforeForward(sync, {key: indices for key, (_, indices) in owners.items()})
+    hook = _WaitBeforeForward(sync, list(owners.values()))
     handles = [sub.register_forward_pre_hook(hook) for sub, _ in owners.values()]
     handles.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: sync.finish()))
     handles.append(module.register_load_state_dict_pre_hook(lambda *args, **kwargs: sync.finish()))

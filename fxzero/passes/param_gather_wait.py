@@ -41,7 +41,7 @@ import torch.fx as fx
 from .bucket_reduce_scatter import ManagedParam
 from .matchers import WAIT_META, copy_node_provenance, graph_output, is_wait_params
 
-__all__ = ["GatherWait", "WaitPlan", "hoist_waits_above_readers", "param_gather_wait_pass", "plan_waits"]
+__all__ = ["GatherWait", "WaitPlan", "hoist_waits_above_readers", "param_gather_wait_pass", "plan_waits", "waited_params_returned"]
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +130,16 @@ def hoist_waits_above_readers(graph: fx.Graph) -> int:
         log.info("moved %d param-gather wait(s) above reads that a later pass put before them", moved)
         graph.lint()
     return moved
+
+
+def waited_params_returned(gm: fx.GraphModule) -> tuple[int, ...]:
+    """Output positions of the forward that return a param some wait covers (saved for
+    the backward). A compiler must return those exactly as it got them: a copy of one
+    (Inductor's channels-last copy of a conv weight) would be made when the input is
+    lowered, before the wait, and would hand the backward last step's values."""
+    waited = {p for n in gm.graph.nodes if is_wait_params(n) for p in n.args[0]}
+    outputs = graph_output(gm.graph).args[0]
+    return tuple(i for i, node in enumerate(outputs) if node in waited)
 
 
 def param_gather_wait_pass(
