@@ -24,6 +24,17 @@ effect* (torch's effects system): it is never dead-code eliminated or reordered 
 other effects. It returns an empty token the pass routes to a backward output during
 partitioning, which is what makes AOTAutograd save the params for the backward.
 
+``fxzero::module_entered(Tensor[] params) -> ()`` marks, in a traced graph, the entry of a
+module that owns managed params: the forward pre-hook that waits for a module's buckets in
+eager code (:func:`fxzero.optim.param_sync.install_param_waits`) emits it while Dynamo
+traces the hook. It matters when the module's forward graph-breaks and the rest of it runs
+eagerly: no pre-hook runs for that rest, and its reads of the module's own params would
+see last step's values. As a reader of the module's params at its entry, the marker makes
+the forward pass put their gather wait there, in the graph before the break; the pass then
+removes the marker (it computes nothing). Run outside fxzero's graphs (another backend), it
+waits for those buckets itself. Registered as having side effects, so dead-code
+elimination keeps it until the pass has seen it.
+
 Importing this module defines the ops (``fxzero/__init__.py`` does it).
 """
 
@@ -32,13 +43,14 @@ from __future__ import annotations
 import torch
 
 from ._torch_compat import register_ordered_effect
-from .optim.binding import binding_of
+from .optim.binding import binding_of, owner_of
 
-__all__ = ["grads_ready", "wait_params"]
+__all__ = ["grads_ready", "module_entered", "wait_params"]
 
 _lib = torch.library.Library("fxzero", "DEF")
 _lib.define("wait_params(Tensor(a!)[] params) -> ()")
 _lib.define("grads_ready(Tensor[] grads, Tensor[] params) -> Tensor")
+_lib.define("module_entered(Tensor[] params) -> ()")
 
 
 def wait_params(params: list[torch.Tensor]) -> None:
@@ -53,6 +65,13 @@ def grads_ready(grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.
     return binding.token
 
 
+def module_entered(params: list[torch.Tensor]) -> None:
+    """Make a module's managed params current (its frozen or unmanaged params are skipped)."""
+    managed = [p for p in params if owner_of(p) is not None]
+    if managed:
+        binding_of(managed[0]).wait(managed)
+
+
 def _wait_params_fake(params: list[torch.Tensor]) -> None:
     return None
 
@@ -63,6 +82,9 @@ def _grads_ready_fake(grads: list[torch.Tensor], params: list[torch.Tensor]) -> 
 
 _lib.impl("wait_params", wait_params, "CompositeExplicitAutograd")
 _lib.impl("grads_ready", grads_ready, "CompositeExplicitAutograd")
+_lib.impl("module_entered", module_entered, "CompositeExplicitAutograd")
 torch.library.register_fake("fxzero::wait_params", _wait_params_fake, lib=_lib)
+torch.library.register_fake("fxzero::module_entered", _wait_params_fake, lib=_lib)
+torch.fx.node.has_side_effect(torch.ops.fxzero.module_entered.default)
 torch.library.register_fake("fxzero::grads_ready", _grads_ready_fake, lib=_lib)
 register_ordered_effect(torch.ops.fxzero.grads_ready.default, _lib)

@@ -1,7 +1,11 @@
 import pytest
 import torch
 
+import torchvision_compat
 from fxzero.testing import close_pools
+
+# before anything imports torchvision, timm or transformers (see the module's docstring)
+torchvision_compat.ensure_torchvision_importable()
 
 
 @pytest.fixture(scope="session", autouse=True)

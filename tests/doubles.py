@@ -11,18 +11,23 @@ from fxzero.optim.comm import DataParallelGroup
 
 
 class DeferredGather:
-    """An all-gather that moves no data until it is waited for: any read of a param
+    """An all-gather whose data lands only when it is waited for: any read of a param
     before its bucket's wait sees the previous step's values (a stale read shows at
-    once, instead of only when a real gather happens to be slow)."""
+    once, instead of only when a real gather happens to be slow). The collective itself
+    is issued at launch, into a scratch buffer, so every rank issues its gathers in launch
+    order whichever buckets its forward reads (ranks whose Python-routed experts read
+    different buckets stay matched); the wait copies the scratch into the params."""
 
     launches = 0
     """Gathers launched since the counter was last reset (class-wide)."""
 
     def __init__(self, dp: DataParallelGroup, output: torch.Tensor, shards: Sequence[torch.Tensor]) -> None:
-        self.dp, self.output, self.input = dp, output, shards[dp.rank]
+        self.output, self.scratch = output, torch.empty_like(output)
+        self.work = dist.all_gather_single(self.scratch, shards[dp.rank], group=dp.group, async_op=True)
 
     def wait(self) -> bool:
-        dist.all_gather_single(self.output, self.input, group=self.dp.group)
+        self.work.wait()
+        self.output.copy_(self.scratch)
         return True
 
 

@@ -140,6 +140,39 @@ class AdapterNet(nn.Module):
         return self.out(F.gelu(self.adapters[pick](F.gelu(self.inp(x)))))
 
 
+class _Experts(nn.Module):
+    """Experts as one 3-D param, run in a loop over the experts some token picked (Hugging
+    Face's MoE layers): ``unique`` makes Dynamo break the graph inside this module, after
+    its entry, and the rest of its forward, which reads its param, runs outside the graph
+    that entered it (no forward pre-hook of its own runs for that rest)."""
+
+    def __init__(self, experts: int, dim: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(experts, dim, dim) / math.sqrt(dim))
+
+    def forward(self, x: torch.Tensor, top: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for expert in top.unique():
+            rows = (top == expert).nonzero().squeeze(1)
+            out = out.index_add(0, rows, x[rows] @ self.w[expert])
+        return out
+
+
+class ExpertLoop(nn.Module):
+    """A router picking one of four experts per token, the experts run in a Python loop."""
+
+    def __init__(self, experts: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(16, dim)
+        self.router = nn.Linear(dim, experts, bias=False)
+        self.experts = _Experts(experts, dim)
+        self.out = nn.Linear(dim, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.inp(x))
+        return self.out(h + self.experts(h, self.router(h).argmax(-1)))
+
+
 class FrozenMLP(MLP):
     """An MLP whose first layer is frozen (requires_grad=False, in no optimizer)."""
 
@@ -243,6 +276,7 @@ MODELS = {
     "mlp_branch": BranchMLP,
     "mlp_frozen": FrozenMLP,
     "adapters": AdapterNet,
+    "expert_loop": ExpertLoop,
     "rmsnet": NormNet,
     "lnnet": lambda: NormNet("layer"),
     "llama": Llama,

@@ -106,3 +106,29 @@ def test_conv_params_are_read_only_after_their_wait(name: str) -> None:
         assert len(check.waited) == params, "every param is covered by a wait"
     for (key, p), q in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-4, rtol=0, msg=key)
+
+
+@pytest.mark.slow
+def test_inductor_freezing_never_folds_params_into_fxzero_graphs() -> None:
+    """With ``freezing`` on, ``torch.compile``'s own Inductor backend folds params into
+    constants of inference graphs (conv + BatchNorm folded into one weight): an optimizer
+    step would then never reach them. fxzero's graphs keep params as inputs."""
+    make, shape, channels_last = _CASES["conv_bn_eval"]
+    torch.manual_seed(0)
+    model = make()
+    reference = copy.deepcopy(model)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    x, y = _data(shape, channels_last, 0)
+    with torch._inductor.config.patch(freezing=True):
+        cmodel = torch.compile(model, backend="fxzero")
+        with torch.no_grad():
+            before = cmodel(x)  # an inference graph, compiled under freezing
+        for m, o in ((cmodel, opt), (reference, ref_opt)):
+            torch.nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            after = cmodel(x)
+    assert not torch.equal(before, after), "the step changed the params: the inference graph must see it"
+    torch.testing.assert_close(after, reference(x).detach(), atol=1e-5, rtol=0)

@@ -12,6 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+
+import torchvision_compat
+
+torchvision_compat.ensure_torchvision_importable()  # rank processes import this module without conftest
+
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import fxzero

@@ -198,8 +198,11 @@ class _WaitBeforeForward:
         identity (an id alone could be a later object's, once the module is gone)."""
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
-        # In a compiled region the graph's own fxzero::wait_params ops order the reads.
+        # In a compiled region the graph's own fxzero::wait_params ops order the reads; the
+        # marker puts a wait at the module's entry, for a forward that graph-breaks and runs
+        # its rest eagerly (no pre-hook runs for that rest). See fxzero.ops.
         if torch.compiler.is_compiling():
+            torch.ops.fxzero.module_entered([p for p in module._parameters.values() if p is not None])
             return
         ref, buckets = self.buckets_of_module.get(id(module), (None, ()))
         if ref is None or ref() is not module:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["LAUNCH_META", "WAIT_META", "copy_node_provenance", "graph_output", "is_grads_ready", "is_wait_params"]
+__all__ = ["LAUNCH_META", "WAIT_META", "copy_node_provenance", "graph_output", "is_grads_ready", "is_module_entered", "is_wait_params"]
 
 LAUNCH_META = "fxzero_launch"
 """``node.meta`` key of an inserted ``grads_ready``: ``(owner, bucket)`` it was planned for."""
@@ -24,6 +24,11 @@ _PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr
 def is_grads_ready(node: fx.Node) -> bool:
     """A bucket launch inserted by the backward pass."""
     return node.op == "call_function" and node.target is torch.ops.fxzero.grads_ready.default
+
+
+def is_module_entered(node: fx.Node) -> bool:
+    """The mark a traced forward pre-hook leaves at the entry of a module owning managed params."""
+    return node.op == "call_function" and node.target is torch.ops.fxzero.module_entered.default
 
 
 def is_wait_params(node: fx.Node) -> bool:
