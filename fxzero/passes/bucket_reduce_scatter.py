@@ -41,7 +41,7 @@ from typing import Mapping, Sequence
 import torch
 import torch.fx as fx
 
-from .matchers import LAUNCH_META, copy_node_provenance, graph_output, is_grads_ready
+from .matchers import LAUNCH_META, copy_node_provenance, graph_output, is_grads_ready, remove_module_marks
 
 __all__ = [
     "HANDOFF_NUMEL",
@@ -187,7 +187,8 @@ def check_launch_contract(gm: fx.GraphModule, plan: LaunchPlan, num_fwd_outputs:
 def bucket_reduce_scatter_pass(
     gm: fx.GraphModule, example_inputs: Sequence[object], *, managed: Sequence[ManagedParam], num_fwd_outputs: int
 ) -> fx.GraphModule:
-    """Plan, rewrite, check (on the joint graph)."""
+    """Drop the module-entry marks, plan, rewrite, check (on the joint graph)."""
+    remove_module_marks(gm)
     if not managed:
         return gm
     plan = plan_launches(managed, grad_producers(gm, num_fwd_outputs), handoff_numel=HANDOFF_NUMEL)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-__all__ = ["LAUNCH_META", "WAIT_META", "copy_node_provenance", "graph_output", "is_grads_ready", "is_module_entered", "is_wait_params"]
+__all__ = ["LAUNCH_META", "WAIT_META", "copy_node_provenance", "graph_output", "is_grads_ready", "is_module_entered", "is_wait_params", "remove_module_marks"]
 
 LAUNCH_META = "fxzero_launch"
 """``node.meta`` key of an inserted ``grads_ready``: ``(owner, bucket)`` it was planned for."""
@@ -34,6 +34,20 @@ def is_module_entered(node: fx.Node) -> bool:
 def is_wait_params(node: fx.Node) -> bool:
     """A param-gather wait inserted by the forward pass."""
     return node.op == "call_function" and node.target is torch.ops.fxzero.wait_params.default
+
+
+def remove_module_marks(gm: fx.GraphModule) -> None:
+    """Drop the ``module_entered`` marks (:mod:`fxzero.ops`); they compute nothing. The
+    joint pass drops them before partitioning (which would put them in the backward); the
+    forward pass after planning its waits (there a mark counts as a reader of its module's
+    params). Either way every managed param input of a forward gets its wait before the
+    forward returns, so eager code after a graph break inside a module reads landed params."""
+    marks = [n for n in gm.graph.nodes if is_module_entered(n)]
+    for mark in marks:
+        gm.graph.erase_node(mark)
+    if marks:
+        gm.graph.lint()
+        gm.recompile()
 
 
 def graph_output(graph: fx.Graph) -> fx.Node:

@@ -39,7 +39,7 @@ import torch
 import torch.fx as fx
 
 from .bucket_reduce_scatter import ManagedParam
-from .matchers import WAIT_META, copy_node_provenance, graph_output, is_module_entered, is_wait_params
+from .matchers import WAIT_META, copy_node_provenance, graph_output, is_wait_params, remove_module_marks
 
 __all__ = ["GatherWait", "WaitPlan", "hoist_waits_above_readers", "param_gather_wait_pass", "plan_waits", "waited_params_returned"]
 
@@ -142,23 +142,13 @@ def waited_params_returned(gm: fx.GraphModule) -> tuple[int, ...]:
     return tuple(i for i, node in enumerate(outputs) if node in waited)
 
 
-def remove_module_marks(gm: fx.GraphModule) -> fx.GraphModule:
-    """Drop the ``module_entered`` marks: once the waits are planned (a mark counts as a
-    reader of its module's params, so a wait precedes it) they compute nothing."""
-    marks = [n for n in gm.graph.nodes if is_module_entered(n)]
-    for mark in marks:
-        gm.graph.erase_node(mark)
-    if marks:
-        gm.graph.lint()
-        gm.recompile()
-    return gm
-
-
 def param_gather_wait_pass(
     gm: fx.GraphModule, example_inputs: Sequence[object], *, managed: Sequence[ManagedParam]
 ) -> fx.GraphModule:
-    """Plan, rewrite, drop the module-entry marks."""
+    """Plan (a module-entry mark counts as a reader of its module's params, so a wait
+    precedes it), rewrite, drop the marks."""
     if managed:
         readers, output = param_readers(gm)
         insert_waits(gm, plan_waits(managed, readers, output))
-    return remove_module_marks(gm)
+    remove_module_marks(gm)
+    return gm
