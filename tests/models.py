@@ -342,6 +342,18 @@ def train_steps(
     return losses
 
 
+def rank_step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> float:
+    """Backward, a step that must not skip, ``zero_grad``; this step's loss averaged over ranks."""
+    import torch.distributed as dist
+
+    loss.backward()
+    assert not opt.step().skipped
+    opt.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
 def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
     """Two AdamW groups, as nanoGPT makes them: decay on matrices, none on the rest."""
     trainable = [p for p in model.parameters() if p.requires_grad]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import fxzero
 from fxzero.testing import run_ranks
 
-from models import batch, build, loss_fn
+from models import batch, build, loss_fn, rank_step
 
 LR, STEPS, GLOBAL = 1e-2, 6, 8
 
@@ -87,13 +87,7 @@ def _train_routed(inner: str) -> dict:
     for step in range(STEPS):
         x, y = batch("adapters", step, GLOBAL)
         part = slice(rank * local, (rank + 1) * local)
-        loss = loss_fn("adapters", cmodel(x[part], _pick(step, rank)), y[part])
-        loss.backward()
-        assert not opt.step().skipped
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(rank_step(loss_fn("adapters", cmodel(x[part], _pick(step, rank)), y[part]), opt))
     return {"losses": losses, "params": {n: v.clone() for n, v in model.state_dict().items()}}
 
 

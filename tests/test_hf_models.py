@@ -22,7 +22,7 @@ from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadMode
 import fxzero
 from fxzero.testing import run_ranks
 
-from models import batch, param_groups
+from models import batch, param_groups, rank_step
 
 LR, STEPS, GLOBAL = 1e-3, 4, 8
 _SIZES = dict(vocab_size=64, max_position_embeddings=16)
@@ -59,13 +59,7 @@ def _train_fxzero(name: str) -> dict:
     losses, local = [], GLOBAL // world
     for step in range(STEPS):
         x, y = _data(name, step)
-        loss = _loss(cmodel, x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local])
-        loss.backward()
-        assert not opt.step().skipped
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        losses.append(rank_step(_loss(cmodel, x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]), opt))
     opt.finish_param_sync()  # the last step's gathers are still in flight (prefetch)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "buckets": len(opt.buckets)}

@@ -39,6 +39,7 @@ from doubles import deferred_all_gather
 from models import batch as model_batch
 from models import build as build_model
 from models import loss_fn as model_loss
+from models import rank_step
 from zoo import ZOO, Case
 
 LR, STEPS, GLOBAL, WORLD = 0.05, 3, 8, 2
@@ -92,13 +93,7 @@ def _train(name: str, *, overlap: bool) -> dict[str, Any]:
     losses = []
     with mock.patch.object(DataParallelGroup, "all_gather_async", gather):
         for step in range(STEPS):
-            loss = case.loss(cmodel, _half(case.data(step, GLOBAL), rank, world))
-            loss.backward()
-            assert not opt.step().skipped
-            opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item() / world)
+            losses.append(rank_step(case.loss(cmodel, _half(case.data(step, GLOBAL), rank, world)), opt))
         opt.finish_param_sync()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"losses": losses, "params": params, "buckets": len(opt.buckets), "numel": numel}
