@@ -31,9 +31,10 @@ def default_bucket_size(dp_size: int, backend: str = "nccl") -> int:
 
     gloo: :data:`GLOO_BUCKET_SIZE` (4M elements, 16 MiB of fp32) at any ``dp_size``. Its
     collectives need no scratch either (fxzero gathers by per-rank broadcasts and reduces by
-    a chunked all-to-all), and a 1M-element all-to-all already costs ~10x gloo's fixed
-    per-collective cost, so the bucket size only decides when a bucket can launch: a 40M
-    bucket holds a whole small model, which then launches only when backward ends.
+    a chunked all-to-all), and a 1M-element all-to-all already costs several times gloo's
+    fixed per-collective cost (the README's "Gradients" paragraph has the measurements), so
+    the bucket size only decides when a bucket can launch: a 40M bucket holds a whole small
+    model, which then launches only when backward ends.
     """
     if backend == "gloo":
         return GLOO_BUCKET_SIZE
@@ -81,9 +82,9 @@ class Config:
 
     overlap_param_gather: bool = True
     """Overlap the param all-gather after ``step()`` with the next forward: the step
-    launches the first bucket's gather, and each bucket is waited right before its first
-    read (compiled graphs: inserted waits; eager modules: forward pre-hooks), launching
-    the next. Needs ``DistributedOptimizer(..., module=model)`` to hook eager regions;
+    launches the gathers of the first two buckets in forward order, and each bucket is
+    waited right before its first read (compiled graphs: inserted waits; eager modules:
+    forward pre-hooks), launching the one after the next. Needs ``DistributedOptimizer(..., module=model)`` to hook eager regions;
     without a module, or with ``False``, ``step()`` waits for all gathers itself."""
 
     mxfp8_param_gather: bool = False

@@ -57,7 +57,7 @@ __all__ = [
 
 HANDOFF_NUMEL = 1 << 20
 """Elements of gradient a hand-off waits for before it is made (4 MiB of fp32). Each
-hand-off is one call into Python (~20-30 µs); the gradients of a group stay alive until it.
+hand-off is one call into Python (tens of microseconds); the gradients of a group stay alive until it.
 So small gradients (norms, biases) share a call, and a matrix's gradient goes into
 ``main_grad`` right after the node that produced it."""
 

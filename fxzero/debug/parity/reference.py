@@ -96,7 +96,7 @@ class Trainer:
 def one_thread() -> Iterator[None]:
     """Compute as each rank does, on one thread: CPU kernels split reductions by thread,
     so the reference's rounding would otherwise depend on this machine's core count
-    (and two threads contending with other processes ran 50x slower here)."""
+    (and two threads contending with the ranks' processes for the same cores are slow)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
