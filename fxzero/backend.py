@@ -35,7 +35,7 @@ import torch.fx as fx
 from functorch.compile import default_partition, make_boxed_func
 
 from . import _torch_compat as compat
-from .debug.dump import GraphDumper
+from .debug.dump import GraphDumper, Recorder
 from .optim.binding import counting_forward, owner_of
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
 from .passes.bucket_reduce_scatter import ManagedParam
@@ -59,11 +59,18 @@ class BackendOptions:
     ``.py`` files, with diffs and a JSON summary (:mod:`fxzero.debug.dump`). Unset:
     ``$FXZERO_DUMP_DIR``, if set."""
 
+    recorder: Optional[Recorder] = None
+    """Called with every graph fxzero's passes finish in this compile
+    (``recorder(dumper, kind, gm)``): how :func:`fxzero.explain` sees the graphs of its own
+    compile only, with no process-wide registration."""
+
     def __post_init__(self) -> None:
         if self.inner_compiler not in ("inductor", "eager"):
             raise ValueError(f"fxzero option 'inner_compiler' must be 'inductor' or 'eager', got {self.inner_compiler!r}")
         if self.dump_dir is not None and not isinstance(self.dump_dir, (str, os.PathLike)):
             raise TypeError(f"fxzero option 'dump_dir' must be a path string, got {self.dump_dir!r}")
+        if self.recorder is not None and not callable(self.recorder):
+            raise TypeError(f"fxzero option 'recorder' must be callable, got {self.recorder!r}")
 
     @classmethod
     def from_mapping(cls, options: Optional[Mapping[str, Any]]) -> "BackendOptions":
@@ -89,7 +96,7 @@ def fxzero_backend(
     if not managed:
         _warn_if_unmanaged(example_inputs)
     names = compat.dynamo_input_names(gm)
-    dumper = GraphDumper(opts.dump_dir, owners, managed, names, example_inputs)
+    dumper = GraphDumper(opts.dump_dir, owners, managed, names, example_inputs, opts.recorder)
     hooked = _hooked_positions(example_inputs, managed, names)
     inductor_compilers = compat.InductorCompilers(gm, len(example_inputs)) if inductor else None
     hooks = _GraphCompiler(opts, len(example_inputs), [m for m in managed if m.position not in hooked], dumper, inductor_compilers)

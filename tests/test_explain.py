@@ -202,3 +202,29 @@ def test_early_hand_offs_are_named_apart_from_the_bucket_launch() -> None:
     assert lines[0].endswith("# <- fxzero: add these grads of bucket 0 into main_grad (they die here)")
     schedule = [line for line in text.splitlines() if line.startswith("bucket 0: reduce-scatter launches in")]
     assert len(schedule) == 1 and "(at the last of these to run)" not in schedule[0]  # one site: the launch
+
+
+def test_the_compiled_graphs_of_the_process_survive_an_explain() -> None:
+    """explain compiles a frame of its own and resets nothing: the user's compiled model
+    keeps its graphs (before, explain reset Dynamo and the next call compiled again)."""
+    import fxzero.backend
+
+    model, opt = _mlp_and_optimizer()
+    compiles = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        compiles.append(gm)
+        return fxzero.backend.fxzero_backend(gm, example_inputs, options={"inner_compiler": "eager"})
+
+    cmodel = torch.compile(model, backend=counting)
+    x = torch.randn(2, 4)
+    for _ in range(2):
+        cmodel(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert len(compiles) == 1
+    text = fxzero.explain(model, x, optimizer=opt)
+    assert "bucket" in text
+    cmodel(x).sum().backward()  # the user's graph again: no new compile
+    opt.step()
+    assert len(compiles) == 1

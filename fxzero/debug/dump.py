@@ -29,7 +29,6 @@ Graph texts are only rendered when a dump directory or a trace handler wants the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import difflib
 import itertools
@@ -38,7 +37,7 @@ import logging
 import os
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -52,7 +51,7 @@ __all__ = [
     "GraphDumper",
     "InsertedNode",
     "inserted_nodes",
-    "observing",
+    "Recorder",
     "resolve_dump_dir",
 ]
 
@@ -63,7 +62,9 @@ _OPS = {LAUNCH_META: "fxzero::grads_ready", WAIT_META: "fxzero::wait_params"}
 _HEADER = "import torch\nimport torch.fx._pytree as fx_pytree  # joint graphs flatten their inputs with it\nfrom math import inf, nan\nfrom torch import device\n\n"
 _graph_ids = itertools.count()
 _index: dict[Path, dict[int, dict[str, Any]]] = {}  # dump dir -> graph id -> index entry
-_observers: list[Callable[["GraphDumper", str, fx.GraphModule], None]] = []
+Recorder = Callable[["GraphDumper", str, fx.GraphModule], None]
+"""``recorder(dumper, kind, gm)``: sees each graph fxzero's passes finish, for one compile
+(the backend's ``recorder`` option; :func:`fxzero.explain` records through it)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,17 +107,6 @@ def resolve_dump_dir(option: Union[str, "os.PathLike[str]", None]) -> Optional[P
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() != "fake":
         path = path / f"rank{dist.get_rank()}"
     return path
-
-
-@contextlib.contextmanager
-def observing(callback: Callable[["GraphDumper", str, fx.GraphModule], None]) -> Iterator[None]:
-    """Call ``callback(dumper, kind, gm)`` with every graph fxzero's passes finish while
-    the block runs: :func:`fxzero.explain` records graphs, owners and names this way."""
-    _observers.append(callback)
-    try:
-        yield
-    finally:
-        _observers.remove(callback)
 
 
 def _readable(gm: fx.GraphModule, title: str) -> str:
@@ -170,8 +160,10 @@ class GraphDumper:
         managed: Sequence[Any] = (),
         names: Sequence[str] = (),
         inputs: Sequence[Any] = (),
+        recorder: Optional[Recorder] = None,
     ) -> None:
         self.graph_id = next(_graph_ids)
+        self.recorder = recorder
         self.dir = resolve_dump_dir(dump_dir)
         # a record must keep neither optimizers nor params alive
         self._owners = [weakref.ref(owner) for owner in owners]
@@ -223,8 +215,8 @@ class GraphDumper:
         )
         self.parts[kind] = part
         log.info("%s", self._describe(part))
-        for observer in list(_observers):
-            observer(self, kind, gm)
+        if self.recorder is not None:
+            self.recorder(self, kind, gm)
         if wanted:
             self._emit(part)
         return gm

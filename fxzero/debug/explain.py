@@ -8,24 +8,25 @@ padding wastes bandwidth, or checking that a reduce-scatter launches early in ba
 
 :func:`explain` compiles the model, runs one forward+backward under
 :meth:`~fxzero.DistributedOptimizer.no_sync` (no collective is launched), records every
-graph *after* fxzero's passes through :func:`fxzero.debug.dump.observing`, then zeroes
-the grads so training state is unchanged. It returns a bucket table, every graph's code
+graph *after* fxzero's passes through the backend's ``recorder`` option (scoped to this
+one compile: nothing registered process-wide), then zeroes the grads so training state
+is unchanged. It compiles through a wrapper function of its own and never resets Dynamo:
+the compiled graphs of the user's process survive an explain. It returns a bucket table, every graph's code
 with fxzero's inserted nodes marked and named by bucket and params named by module
 path, and a per-bucket schedule (:mod:`fxzero.debug.explain_format` renders them).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-from typing import Any, Iterator, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
 
 from . import explain_format as _format
-from .dump import GraphDumper, InsertedNode, inserted_nodes, observing
+from .dump import GraphDumper, InsertedNode, inserted_nodes
 
 __all__ = ["explain"]
 
@@ -88,33 +89,36 @@ def _snapshot(kind: str, gm: fx.GraphModule) -> Recorded:
     return Recorded(kind, gm.code, placeholders, len(nodes), inserted_nodes(gm))
 
 
-@contextlib.contextmanager
-def _recording(graphs: list[Graph]) -> Iterator[None]:
-    """Snapshot each graph as fxzero's passes finish it, grouped by Dynamo graph."""
-    by_dumper: dict[int, Graph] = {}
+class _Recording:
+    """Snapshots each graph as fxzero's passes finish it, grouped by Dynamo graph (the
+    backend's ``recorder``)."""
 
-    def record(dumper: GraphDumper, kind: str, gm: fx.GraphModule) -> None:
+    def __init__(self) -> None:
+        self.graphs: list[Graph] = []
+        self._by_dumper: dict[int, Graph] = {}
+
+    def __call__(self, dumper: GraphDumper, kind: str, gm: fx.GraphModule) -> None:
         if kind == "joint":  # shown as the forward and backward it is partitioned into
             return
-        graph = by_dumper.get(id(dumper))
+        graph = self._by_dumper.get(dumper.graph_id)
         if graph is None:
-            graph = by_dumper[id(dumper)] = Graph(dumper)
-            graphs.append(graph)
+            graph = self._by_dumper[dumper.graph_id] = Graph(dumper)
+            self.graphs.append(graph)
         graph.parts[kind] = _snapshot(kind, gm)
-
-    with observing(record):
-        yield
 
 
 def _run_once(model: torch.nn.Module, inputs: Sequence[Any], optimizer: Any, options: dict[str, Any]) -> list[Graph]:
-    graphs: list[Graph] = []
-    torch.compiler.reset()
-    compiled = torch.compile(model, backend="fxzero", options=options)
-    with _recording(graphs), optimizer.no_sync():
+    recording = _Recording()
+
+    def run(*args: Any) -> Any:  # a frame of explain's own: Dynamo compiles it afresh, leaving the user's entries
+        return model(*args)
+
+    compiled = torch.compile(run, backend="fxzero", options={**options, "recorder": recording})
+    with optimizer.no_sync():
         out = compiled(*inputs)
         (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
     optimizer.zero_grad()
-    return graphs
+    return recording.graphs
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
