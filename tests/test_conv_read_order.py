@@ -29,7 +29,7 @@ LR = 1e-2
 
 
 def _head(features: int) -> nn.Module:
-    return nn.Sequential(nn.Flatten(), nn.LazyLinear(4) if features < 0 else nn.Linear(features, 4))
+    return nn.Sequential(nn.Flatten(), nn.Linear(features, 4))
 
 
 class PatchEmbed(nn.Module):

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -60,8 +60,7 @@ def _routed_case() -> Case:
     )
 
 
-_CASES: dict[str, Callable[[], Case]] = {name: (lambda case=case: case) for name, case in ZOO.items()}
-_CASES["routed_experts"] = _routed_case
+_CASES: dict[str, Case] = {**ZOO, "routed_experts": _routed_case()}
 
 
 def _half(b: dict[str, torch.Tensor], rank: int, world: int) -> dict[str, torch.Tensor]:
@@ -83,7 +82,7 @@ def _build(case: Case) -> torch.nn.Module:
 def _train(name: str, *, overlap: bool) -> dict[str, Any]:
     """One fxzero run on this rank; ``overlap`` runs with deferred gathers."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    case = _CASES[name]()
+    case = _CASES[name]
     model = _build(case)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     config = fxzero.Config(bucket_size=numel // 4, overlap_param_gather=overlap)
@@ -113,7 +112,7 @@ def _train_both(name: str) -> dict[str, Any]:
 
 def _reference(name: str, *, compiled: bool, world: int = WORLD) -> dict[str, Any]:
     """Single process, each rank's half run separately, per-rank losses averaged."""
-    case = _CASES[name]()
+    case = _CASES[name]
     model = _build(case)
     opt = torch.optim.SGD(_trainable(model), **_optimizer())
     forward = torch.compile(model) if compiled else model
