@@ -248,7 +248,7 @@ def data_and_batch(world: int) -> tuple[torch.Tensor, types.SimpleNamespace]:
 def _check_compiled(runners: dict) -> None:
     for config, (_, opt, _) in runners.items():
         if config.startswith("fxzero"):
-            compiled, n = sum(opt.grad_sync._compiled), len(opt.params)
+            compiled, n = sum(opt.ledger.compiled), len(opt.params)
             if compiled != n:
                 raise RuntimeError(f"{config}: only {compiled} of {n} params are in its compiled graphs when stepping in turn")
 

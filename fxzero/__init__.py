@@ -8,18 +8,17 @@ from . import mxfp8, ops  # ops: defines the fxzero:: custom ops that compiled g
 from ._torch_compat import register_torch_log
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, default_bucket_size
-from .debug.explain import explain
-from .debug.parity import ParityReport, parity
+from .explainer import explain
+from .parity import ParityReport, parity
+from .distributed_optimizer import DistributedOptimizer, StepResult
 from .optim import (
     Bucket,
     BucketPlan,
     BufferPlan,
     CollectiveError,
-    DistributedOptimizer,
     Fragment,
     ParamAndGradBuffer,
     ShardedGrad,
-    StepResult,
     plan_buckets,
     shard_buffer,
     shard_fragments,

@@ -1,8 +1,8 @@
-"""``python -m fxzero``: the command line lives in :mod:`fxzero.debug.cli`."""
+"""``python -m fxzero``: the command line lives in :mod:`fxzero.cli`."""
 
 import sys
 
-from .debug.cli import main
+from .cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

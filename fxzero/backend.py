@@ -11,7 +11,7 @@ ops find it through the params (:mod:`fxzero.optim.binding`). Each run of a comp
 tells the owners how many gradients its backward will deliver per bucket, tied to its
 autograd node, so a bucket spread over several graphs and eager regions launches once,
 when its last gradient arrives, and a forward whose backward never runs is taken out again
-(:mod:`fxzero.optim.pending_forwards`). A managed param that has tensor hooks
+(:mod:`fxzero.optim.ledger`). A managed param that has tensor hooks
 (``param.register_hook``) when its graph compiles keeps autograd's path in that graph's
 backward, so its hooks see the real gradient (the eager post-accumulate hook then moves
 it into ``main_grad``). Graphs with no managed params compile exactly as plain
@@ -35,7 +35,7 @@ import torch.fx as fx
 from functorch.compile import default_partition, make_boxed_func
 
 from . import _torch_compat as compat
-from .debug.dump import GraphDumper, Recorder
+from .dump import GraphDumper, Recorder
 from .optim.binding import counting_forward, owner_of
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
 from .passes.bucket_reduce_scatter import ManagedParam
@@ -56,7 +56,7 @@ class BackendOptions:
     FX code (fast to compile, for debugging and most tests)."""
     dump_dir: Union[str, "os.PathLike[str]", None] = None
     """Write every graph before and after each of fxzero's passes here as readable
-    ``.py`` files, with diffs and a JSON summary (:mod:`fxzero.debug.dump`). Unset:
+    ``.py`` files, with diffs and a JSON summary (:mod:`fxzero.dump`). Unset:
     ``$FXZERO_DUMP_DIR``, if set."""
 
     recorder: Optional[Recorder] = None

@@ -69,7 +69,7 @@ def _handoffs(inner: str) -> list[tuple[int, int]]:
 
     with mock.patch.object(opt.binding, "grads_ready", recording):
         cmodel(x).sum().backward()
-    assert len(opt.buckets) == 1 and opt.grad_sync.launched == (True,)
+    assert len(opt.buckets) == 1 and opt.ledger.launched == (True,)
     return calls
 
 
@@ -153,7 +153,7 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5, relu, d
                 traced = [g.meta["stack_trace"] for g in node.args[0] if "stack_trace" in g.meta]
                 self.assertEqual(node.meta.get("stack_trace"), traced[0] if traced else None)
                 self.assertIn("fwd_nn_module_stack", node.meta)
-        self.assertEqual(opt.grad_sync.launched, (True, True))
+        self.assertEqual(opt.ledger.launched, (True, True))
 
 
 # ---- the backend around it --------------------------------------------------------

@@ -120,7 +120,7 @@ def test_one_launch_whose_params_span_buckets_reaches_each_bucket() -> None:
     for p, g in zip(params, grads):
         assert torch.equal(p.main_grad, g)
     assert sorted(set(opt.binding.describe(params).buckets)) == [0, 1]
-    assert bytes(opt.grad_sync.presence) == b"\x01" * 4
+    assert bytes(opt.ledger.presence) == b"\x01" * 4
 
 
 def test_a_compiled_model_whose_optimizer_is_gone_says_what_to_call() -> None:

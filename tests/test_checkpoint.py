@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero.checkpoint.state import owned_fragments, slot_names
+from fxzero.checkpoint.state import slot_names
 from fxzero.testing import RankError, RankPool, run_ranks
 
 from models import MLP, batch, build, loss_fn, param_groups
@@ -63,10 +63,11 @@ def _full_state(model: torch.nn.Module, opt: fxzero.DistributedOptimizer) -> dic
     names = slot_names(model, opt)
     full = {f"{n}/{k}": torch.zeros(p.numel(), dtype=torch.float64) for n, p in zip(names, opt.params) for k in ("main", "exp_avg", "exp_avg_sq")}
     steps = torch.zeros(len(names), dtype=torch.float64)
-    for frag, where in owned_fragments(opt):
+    for frag in opt.fragments:
+        where = frag.where
         name, span = names[frag.slot], slice(where.param_offset, where.param_offset + where.numel)
         full[f"{name}/main"][span] = frag.param.double()
-        if state := opt.local.state.get(frag.param):  # a param that never got a gradient has none
+        if state := opt.fragment_state(frag):  # a param that never got a gradient has none
             full[f"{name}/exp_avg"][span] = state["exp_avg"].double()
             full[f"{name}/exp_avg_sq"][span] = state["exp_avg_sq"].double()
             steps[frag.slot] = float(state["step"])

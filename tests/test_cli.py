@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from fxzero.debug.cli import main
-from fxzero.debug.dump import DUMP_DIR_ENV
+from fxzero.cli import main
+from fxzero.dump import DUMP_DIR_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 

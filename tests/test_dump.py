@@ -18,7 +18,7 @@ import fxzero
 import fxzero.passes
 from fxzero.backend import BackendOptions
 from fxzero.passes.param_gather_wait import param_gather_wait_pass
-from fxzero.debug.dump import DUMP_DIR_ENV, resolve_dump_dir
+from fxzero.dump import DUMP_DIR_ENV, resolve_dump_dir
 
 
 def _train_once(**options: Any) -> None:

@@ -34,7 +34,7 @@ def _assert_untouched(model: torch.nn.Module, opt: fxzero.DistributedOptimizer, 
     for p, old in zip(model.parameters(), before):
         assert torch.equal(p.detach(), old)
         assert torch.count_nonzero(p.main_grad) == 0
-    assert not any(opt.grad_sync.launched)
+    assert not any(opt.ledger.launched)
 
 
 class TestExplain(TestCase):

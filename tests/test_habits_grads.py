@@ -268,7 +268,7 @@ def _launched_before_end_of_backward(validate: bool, loss_in_graph: bool = False
     end_of_backward = opt.grad_sync._end_of_backward
 
     def counting_launched() -> None:
-        seen.append(sum(opt.grad_sync.launched))
+        seen.append(sum(opt.ledger.launched))
         end_of_backward()
 
     opt.grad_sync._end_of_backward = counting_launched  # type: ignore[method-assign]

@@ -36,9 +36,8 @@ def _gloo_communication(bucket_size: object) -> dict:
         p.main_grad.normal_()
 
     def communicate() -> None:
-        opt.grad_sync.launch_all()
-        opt.grad_sync.finish()
-        opt.grad_sync.reset()
+        opt.reductions.finish()
+        opt.ledger.start_step()
         opt.start_param_sync()
         opt.finish_param_sync()
 
@@ -47,7 +46,7 @@ def _gloo_communication(bucket_size: object) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status_mib("VmRSS")
     communicate()
-    exchange = opt.grad_sync.exchange
+    exchange = opt.reductions.exchange
     return {
         "added_mib": _status_mib("VmHWM") - before,
         "buckets": len(opt.buckets),

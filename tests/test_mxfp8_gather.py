@@ -94,7 +94,7 @@ def _train(run: Run, capture_grads_at: int = -1) -> dict:
                 loss.backward()
             total += loss.detach()
         if step == capture_grads_at:
-            opt.grad_sync.finish_launched()
+            opt.reductions.finish_launched()
             grads = [b.grad_data.clone() for b in opt.buffers]
         assert not opt.step().skipped
         opt.zero_grad()  # gathers are in flight here (prefetch): must not disturb them
@@ -210,8 +210,8 @@ def _aliasing(reuse: bool) -> dict:
         inside.append(lo <= d_lo and d_hi <= hi and views.dest.untyped_storage().data_ptr() == bucket.grad_data.untyped_storage().data_ptr())
 
     def land_path() -> None:  # publish every bucket, launch and land it (the step's gather)
-        opt._write_back_and_gather()
-        opt.finish_param_sync()
+        with opt.replacing_state():
+            pass
 
     with mock.patch.object(dist, "all_gather_single", _no_op_collective):
         land_path()

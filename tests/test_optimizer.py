@@ -227,9 +227,8 @@ def _hot_path_allocations(grad_collective: str) -> dict:
         opt.zero_grad()
 
     def comm_path() -> None:
-        opt.grad_sync.launch_all()
-        opt.grad_sync.finish()
-        opt.grad_sync.reset()
+        opt.reductions.finish()
+        opt.ledger.start_step()
         opt.start_param_sync()
         opt.finish_param_sync()
 

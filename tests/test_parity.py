@@ -57,14 +57,14 @@ def _train_distributed(
         "buckets": len(opt.buckets),
         "collective": opt.dp.grad_collective,
         "retired_in_backward": retired[0],
-        "chunks": sum(map(len, opt.grad_sync.exchange.chunks)) if opt.grad_sync.exchange is not None else 0,
+        "chunks": sum(map(len, opt.reductions.exchange.chunks)) if opt.reductions.exchange is not None else 0,
     }
 
 
 def _count_retires_in_backward(opt: fxzero.DistributedOptimizer) -> list[int]:
     """How many exchange chunks were finished while a backward ran (the exchange keeping up)."""
     count = [0]
-    exchange = opt.grad_sync.exchange
+    exchange = opt.reductions.exchange
     if exchange is not None:
         retire = exchange._retire
 
@@ -162,7 +162,7 @@ def _accumulate(microbatches: int) -> dict:
         last = i == len(chunks) - 1
         with opt.no_sync() if not last else contextlib.nullcontext():
             (loss_fn("mlp", model(xc), yc) / microbatches).backward()
-        launched.append(any(w is not None for w in opt.grad_sync._works) or all(opt.grad_sync._launched))
+        launched.append(opt.reductions.in_flight or all(opt.ledger.launched))
     opt.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "launched": launched}
 

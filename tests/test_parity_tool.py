@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import fxzero
-from fxzero.debug.cli import main
+from fxzero.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 

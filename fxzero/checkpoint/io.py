@@ -58,7 +58,7 @@ from .state import (
     save_state,
     slot_names,
 )
-from ..optim.optimizer import DistributedOptimizer
+from ..distributed_optimizer import DistributedOptimizer
 from .ranks import CheckpointRanks
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]

@@ -43,11 +43,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from .._torch_compat import DcpCheckpointable
-from ..optim.layout import Fragment, shard_fragments
-from ..optim.shards import FragmentTensor
+from ..optim.layout import Fragment
 
 if TYPE_CHECKING:
-    from ..optim.optimizer import DistributedOptimizer
+    from ..distributed_optimizer import DistributedOptimizer
 
 __all__ = [
     "CheckpointError",
@@ -59,7 +58,6 @@ __all__ = [
     "check_compatible",
     "group_records",
     "load_targets",
-    "owned_fragments",
     "save_state",
     "slot_names",
 ]
@@ -149,12 +147,6 @@ def slot_names(model: torch.nn.Module, opt: "DistributedOptimizer") -> list[str]
     return [name_of[id(p)] for p in opt.params]
 
 
-def owned_fragments(opt: "DistributedOptimizer") -> list[tuple[FragmentTensor, Fragment]]:
-    """This rank's fragments: the tensor the wrapped optimizer steps and where it lies in its param."""
-    layout = [frag for buffer in opt.buffers for frag in shard_fragments(buffer.plan, opt.dp.rank)]
-    return list(zip(opt.fragments, layout, strict=True))  # build_shards walks buffers and fragments in this order
-
-
 def _kind(value: Any, fragment_numel: int, where: str) -> Any:
     if isinstance(value, torch.Tensor):
         return SHARDED if value.dim() == 1 and value.numel() == fragment_numel else TENSOR
@@ -167,10 +159,10 @@ def save_state(model: torch.nn.Module, opt: "DistributedOptimizer", names: Seque
     """This rank's DCP state dict, and the kind of every state entry of the params it owns."""
     state: dict[str, Any] = {MODEL + key: value for key, value in model.state_dict().items()}
     spec: dict[str, dict[str, Any]] = {}
-    for frag, where in owned_fragments(opt):
-        name, numel = names[frag.slot], opt.params[frag.slot].numel()
+    for frag in opt.fragments:
+        name, numel, where = names[frag.slot], opt.params[frag.slot].numel(), frag.where
         state[f"{OPTIM}{name}/main"] = Chunk(frag.param.detach(), where.param_offset, numel)
-        for key, value in opt.local.state.get(frag.param, {}).items():
+        for key, value in opt.fragment_state(frag).items():
             kind = spec.setdefault(name, {})[key] = _kind(value, where.numel, f"{key!r} of {name!r}")
             if kind == SHARDED:
                 state[f"{OPTIM}{name}/{key}"] = Chunk(value, where.param_offset, numel)
@@ -217,10 +209,9 @@ def _model_differences(metadata: Metadata, model: torch.nn.Module) -> list[str]:
 def _group_differences(saved_groups: list[dict[str, Any]], opt: "DistributedOptimizer", names: Sequence[str]) -> list[str]:
     if len(saved_groups) != len(opt.param_groups):
         return [f"param groups: checkpoint has {len(saved_groups)}, this optimizer {len(opt.param_groups)}"]
-    slot_of = {id(p): slot for slot, p in enumerate(opt.params)}
     problems = []
-    for index, (saved, group) in enumerate(zip(saved_groups, opt.param_groups)):
-        live = {names[slot_of[id(p)]] for p in group["params"]}
+    for index, saved in enumerate(saved_groups):
+        live = {names[row.slot] for row in opt.param_table.rows if row.group == index}
         if moved := sorted(live ^ set(saved["params"])):
             problems.append(f"param group {index}: params {moved} are in it in only one of checkpoint and optimizer")
     return problems
@@ -231,15 +222,14 @@ def load_targets(
 ) -> dict[str, Any]:
     """Fresh tensors for everything this rank needs: DCP reads into them, and only once
     every read succeeded does :func:`apply_loaded` copy them into the live objects."""
-    managed = {id(p) for p in opt.params}
     targets: dict[str, Any] = {
         MODEL + key: torch.empty_like(value.detach())
         for key, value in model.state_dict(keep_vars=True).items()
-        if id(value) not in managed
+        if opt.param_table.find(value) is None
     }
     device = torch.device("cpu")  # the wrapped optimizer's load_state_dict moves state where it belongs
-    for frag, where in owned_fragments(opt):
-        name, numel = names[frag.slot], opt.params[frag.slot].numel()
+    for frag in opt.fragments:
+        name, numel, where = names[frag.slot], opt.params[frag.slot].numel(), frag.where
         targets[f"{OPTIM}{name}/main"] = _fresh_chunk(where, numel, torch.float32, device)
         for key, kind in spec.get(name, {}).items():
             fqn = f"{OPTIM}{name}/{key}"
@@ -264,19 +254,13 @@ def apply_loaded(
     for key, value in model.state_dict(keep_vars=True).items():
         if MODEL + key in targets:
             value.detach().copy_(targets[MODEL + key])
-    index_of = {id(p): i for i, p in enumerate(p for group in opt.local.param_groups for p in group["params"])}
-    local_state = {}
-    for frag, _ in owned_fragments(opt):
-        name = names[frag.slot]
-        frag.param.copy_(targets[f"{OPTIM}{name}/main"].local)
-        state = {key: _loaded_value(targets, f"{OPTIM}{name}/{key}", kind) for key, kind in spec.get(name, {}).items()}
-        if state:
-            local_state[index_of[id(frag.param)]] = state
-    # torch.optim's own loader puts each state tensor on the device and dtype its policy wants
-    opt.local.load_state_dict({"state": local_state, "param_groups": opt.local.state_dict()["param_groups"]})
-    opt.finish_param_sync()  # nothing in flight may land over the loaded values
-    opt._write_back_and_gather()  # masters -> the gather's input (param shard or MXFP8 row), launch
-    opt.finish_param_sync()
+    with opt.replacing_state():  # on exit: masters -> every rank's params
+        states = []
+        for frag in opt.fragments:
+            name = names[frag.slot]
+            frag.param.copy_(targets[f"{OPTIM}{name}/main"].local)
+            states.append({key: _loaded_value(targets, f"{OPTIM}{name}/{key}", kind) for key, kind in spec.get(name, {}).items()})
+        opt.load_fragment_states(states)
 
 
 def _loaded_value(targets: dict[str, Any], fqn: str, kind: Any) -> Any:
@@ -291,7 +275,6 @@ def _qualname(cls: type) -> str:
 
 def group_records(opt: "DistributedOptimizer", names: Sequence[str]) -> list[dict[str, Any]]:
     """Each param group's params (by name) and hyperparameters, for the manifest."""
-    slot_of = {id(p): slot for slot, p in enumerate(opt.params)}
     records = []
     for index, group in enumerate(opt.param_groups):
         hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
@@ -300,7 +283,7 @@ def group_records(opt: "DistributedOptimizer", names: Sequence[str]) -> list[dic
                 raise CheckpointError(
                     f"param_groups[{index}][{key!r}] is a {type(value).__name__}; checkpoints store hyperparameters as JSON"
                 )
-        records.append({"params": [names[slot_of[id(p)]] for p in group["params"]], "hyperparameters": hyper})
+        records.append({"params": [names[row.slot] for row in opt.param_table.rows if row.group == index], "hyperparameters": hyper})
     return records
 
 

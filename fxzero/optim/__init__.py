@@ -1,12 +1,15 @@
-"""The sharded optimizer and what it runs on: layout plans, flat buffers, shards, the process
-group, gradient reduce-scatters and param all-gathers."""
+"""What the sharded optimizer runs on: layout plans, flat buffers, the param table, shards,
+the process group, the readiness ledger, gradient reduce-scatters and param all-gathers
+(the gather protocol). :class:`fxzero.DistributedOptimizer` assembles them."""
 
 from .buffers import Bucket, ParamAndGradBuffer, shard_buffer
 from .comm import CollectiveError, DataParallelGroup
-from .grad_sync import GradSync
+from .grad_sync import GradReductions, GradSync
 from .grad_views import ShardedGrad
 from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, plan_buckets, shard_fragments
-from .optimizer import DistributedOptimizer, StepResult
+from .ledger import Ledger
+from .param_sync import Gather
+from .param_table import ParamRow, ParamTable
 
 __all__ = [
     "Bucket",
@@ -14,12 +17,15 @@ __all__ = [
     "BufferPlan",
     "CollectiveError",
     "DataParallelGroup",
-    "DistributedOptimizer",
     "Fragment",
+    "Gather",
+    "GradReductions",
     "GradSync",
+    "Ledger",
     "ParamAndGradBuffer",
+    "ParamRow",
+    "ParamTable",
     "ShardedGrad",
-    "StepResult",
     "bucket_divisor",
     "plan_buckets",
     "shard_buffer",

@@ -35,9 +35,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .._torch_compat import foreach_add_
 from .grad_sync import GradSync
+from .ledger import Ledger
 from .param_sync import ParamSync
+from .param_table import ParamTable
 
 __all__ = ["GraphBinding", "InputBinding", "backward_node", "binding_of", "counting_forward", "identity", "owner_of"]
 
@@ -55,9 +56,8 @@ def binding_of(param: torch.Tensor) -> "GraphBinding":
     if owner is None:
         if not hasattr(param, "_fxzero_owner"):
             raise RuntimeError(not_a_param_message(param))
-        name = getattr(param, "_fxzero_name", None) or f"of shape {tuple(param.shape)}"
         raise RuntimeError(
-            f"fxzero: a compiled graph reads param {name}, which was compiled for a fxzero.DistributedOptimizer "
+            f"fxzero: a compiled graph reads a param of shape {tuple(param.shape)}, which was compiled for a fxzero.DistributedOptimizer "
             "that no longer exists. Build a new DistributedOptimizer over the model's params (the compiled graphs "
             "use it), or call torch.compiler.reset() and compile again to train without fxzero."
         )
@@ -103,12 +103,10 @@ def not_a_param_message(value: Any) -> str:
 class GraphBinding:
     """Everything compiled graphs call into, for one optimizer (``optimizer.binding``)."""
 
-    def __init__(self, params: Sequence[torch.nn.Parameter], grad_sync: GradSync, param_sync: ParamSync) -> None:
-        self.grad_sync, self.param_sync = grad_sync, param_sync
-        self._params = tuple(params)
-        self.token = torch.empty(0, device=self._params[0].device)
+    def __init__(self, table: ParamTable, ledger: Ledger, grad_sync: GradSync, param_sync: ParamSync) -> None:
+        self.table, self.ledger, self.grad_sync, self.param_sync = table, ledger, grad_sync, param_sync
+        self.token = torch.empty(0, device=table.params[0].device)
         """What ``fxzero::grads_ready`` returns (nothing reads it): made once, not per call."""
-        self._slot_of = {id(p): slot for slot, p in enumerate(self._params)}
         # Per-step caches, each keyed by the whole identity of a param set (see the module docstring).
         self._grad_groups: dict[tuple[int, ...], tuple[_Group, ...]] = {}
         self._wait_buckets: dict[tuple[int, ...], tuple[int, ...]] = {}
@@ -121,15 +119,14 @@ class GraphBinding:
         return InputBinding(mine, tuple(self._bucket(inputs[p]) for p in mine))
 
     def manages(self, value: Any) -> bool:
-        slot = self._slot_of.get(id(value))
-        return slot is not None and self._params[slot] is value
+        return self.table.find(value) is not None
 
     def _bucket(self, param: Any) -> int:
-        return self.grad_sync.bucket_of_slot[self._slot(param)]
+        return self.table.bucket_of_slot[self._slot(param)]
 
     def _slot(self, param: Any) -> int:
-        slot = self._slot_of.get(id(param))
-        if slot is None or self._params[slot] is not param:
+        slot = self.table.find(param)
+        if slot is None:
             if not hasattr(param, "_fxzero_owner"):
                 raise RuntimeError(not_a_param_message(param))
             raise RuntimeError(
@@ -146,13 +143,9 @@ class GraphBinding:
         groups = self._grad_groups.get(key)
         if groups is None:
             groups = self._grad_groups[key] = self._grad_groups_of(params)
-        sync = self.grad_sync
         for group in groups:
-            if sync.before_grad_write is not None:
-                sync.before_grad_write(group.bucket)
             mine = grads if group.indices is None else [grads[i] for i in group.indices]
-            foreach_add_(group.main_grads, mine)
-            sync.compiled_grads_ready(group.bucket, len(group.main_grads), group.slots)
+            self.grad_sync.add_compiled(group.bucket, group.main_grads, mine, group.slots)
 
     def _grad_groups_of(self, params: Sequence[torch.Tensor]) -> tuple[_Group, ...]:
         by_bucket: dict[int, list[int]] = {}
@@ -188,7 +181,7 @@ class GraphBinding:
         counts = self._counts.get(key)
         if counts is None:
             counts = self._counts[key] = self._register(params, [p in delivered for p in positions])
-        self.grad_sync.forward_ran(counts, node)
+        self.ledger.forward_ran(counts, node)
 
     def _register(self, params: Sequence[Any], delivered: Sequence[bool]) -> list[tuple[int, int]]:
         """First run with this param set: their gradients come from compiled graphs now."""
@@ -197,7 +190,7 @@ class GraphBinding:
             if counted:
                 bucket = self._bucket(param)
                 per_bucket[bucket] = per_bucket.get(bucket, 0) + 1
-        self.grad_sync.register_compiled(self._slot(p) for p in params)
+        self.ledger.compiled_graph(self._slot(p) for p in params)
         return sorted(per_bucket.items())
 
 

@@ -16,9 +16,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from .layout import BufferPlan
+from ..config import Config
+from .comm import DataParallelGroup
+from .layout import BufferPlan, plan_buckets
 
-__all__ = ["Bucket", "ParamAndGradBuffer", "shard_buffer"]
+__all__ = ["Bucket", "ParamAndGradBuffer", "build_buffers", "shard_buffer"]
 
 
 def shard_buffer(buffer: torch.Tensor, dp_size: int) -> tuple[torch.Tensor, ...]:
@@ -101,3 +103,24 @@ class ParamAndGradBuffer:
     @property
     def nbytes(self) -> int:
         return self.param_data.nbytes + self.grad_data.nbytes
+
+
+def build_buffers(layout: Sequence[torch.nn.Parameter], config: Config, dp: DataParallelGroup) -> tuple[ParamAndGradBuffer, ...]:
+    """One buffer per param dtype, in order of first appearance in ``layout``; bucket
+    indices run on over the buffers."""
+    groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+    for param in layout:
+        groups.setdefault(param.dtype, []).append(param)
+    bucket_size = config.resolved_bucket_size(dp.size, dp.backend)
+    buffers, first = [], 0
+    for params in groups.values():
+        plan = plan_buckets(
+            params,
+            dp_size=dp.size,
+            bucket_size=bucket_size,
+            pad_for_high_busbw=config.pad_for_high_busbw,
+            shard_multiple=config.shard_multiple,
+        )
+        buffers.append(ParamAndGradBuffer(params, plan, grad_dtype=config.grad_dtype, first_bucket_index=first))
+        first += len(plan.buckets)
+    return tuple(buffers)

@@ -24,9 +24,9 @@ class CollectiveError(RuntimeError):
 
 
 def describe_params(params: Sequence[torch.Tensor], limit: int = 4) -> str:
-    """``a.weight, b.bias, … (12 params, 1,050,112 elements)``: names where the optimizer
-    was given a module (``_fxzero_name``), shapes otherwise."""
-    labels = [getattr(p, "_fxzero_name", None) or f"shape {tuple(p.shape)}" for p in params]
+    """``shape (4, 8), shape (8,), … (12 params, 1,050,112 elements)``: what a failed
+    collective names when no param table gave names (:meth:`ParamTable.describe` does)."""
+    labels = [f"shape {tuple(p.shape)}" for p in params]
     shown = ", ".join(labels[:limit]) + (", …" if len(labels) > limit else "")
     return f"{shown} ({len(labels)} params, {sum(p.numel() for p in params):,} elements)"
 
@@ -129,7 +129,7 @@ class DataParallelGroup:
         if self.size > 1:
             self.wait(dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.group, async_op=True), what)
 
-    def wait(self, work: dist.Work, what: str, bucket: Optional[int] = None, params: Sequence[torch.Tensor] = ()) -> None:
+    def wait(self, work: dist.Work, what: str, bucket: Optional[int] = None, params: str = "") -> None:
         """``work.wait()``, turning a failure (a dead peer's closed connection, or the
         process group's timeout for one that stopped answering) into a
         :class:`CollectiveError` that says what this rank was waiting for. Only the error
@@ -138,7 +138,7 @@ class DataParallelGroup:
             work.wait()
         except RuntimeError as err:  # DistBackendError and gloo's timeouts are RuntimeErrors
             where = f" of bucket {bucket}" if bucket is not None else ""
-            where += f" (params: {describe_params(params)})" if params else ""
+            where += f" (params: {params})" if params else ""
             raise CollectiveError(
                 f"fxzero: rank {self.rank} of {self.size} failed waiting for the {what}{where}: {err}. "
                 "A peer rank probably died or stopped answering; this process group cannot be used any more."

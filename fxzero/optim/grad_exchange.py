@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from .buffers import Bucket
-from .comm import DataParallelGroup
+from .comm import DataParallelGroup, describe_params
 
 __all__ = ["CHUNK_BYTES", "SLOTS", "GradExchange"]
 
@@ -67,10 +67,17 @@ class GradExchange:
     """Chunked all-to-all reductions of a fixed list of buckets (see the module docstring)."""
 
     def __init__(
-        self, buckets: Sequence[Bucket], dp: DataParallelGroup, *, chunk_bytes: Optional[int] = None, slots: Optional[int] = None
+        self,
+        buckets: Sequence[Bucket],
+        dp: DataParallelGroup,
+        *,
+        chunk_bytes: Optional[int] = None,
+        slots: Optional[int] = None,
+        described: Optional[Sequence[str]] = None,
     ) -> None:
         """``chunk_bytes`` / ``slots`` default to the module's :data:`CHUNK_BYTES` / :data:`SLOTS`
-        (read here, so a test can make chunks small enough to turn the ring many times)."""
+        (read here, so a test can make chunks small enough to turn the ring many times);
+        ``described[i]`` names bucket i's params in errors (shapes by default)."""
         chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         slots = SLOTS if slots is None else slots
         if dp.size < 2:
@@ -82,7 +89,7 @@ class GradExchange:
         self._memory = [torch.empty((dp.size - 1) * chunk_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
         self.chunks = tuple(tuple(self._chunks_of(b)) for b in buckets)
         """``chunks[i]``: bucket i's chunks, in issue order."""
-        self._params = {b.index: b.params for b in buckets}  # for error messages
+        self._described = {b.index: described[i] if described else describe_params(b.params) for i, b in enumerate(buckets)}
         self._owed: collections.deque[_Chunk] = collections.deque()
         self._in_flight: collections.deque[tuple[_Chunk, list[dist.Work], int]] = collections.deque()
         self._issued = 0  # chunks issued so far: the next one takes slot issued % slots
@@ -139,7 +146,7 @@ class GradExchange:
     def _retire(self) -> None:
         chunk, works, slot = self._in_flight.popleft()
         for work in works:
-            self.dp.wait(work, "gradient reduction", chunk.bucket, self._params[chunk.bucket])
+            self.dp.wait(work, "gradient reduction", chunk.bucket, self._described[chunk.bucket])
         _sum_in_rank_order(chunk.own, chunk.rows[slot], chunk.before)
 
     @property

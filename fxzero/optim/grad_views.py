@@ -32,6 +32,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .._torch_compat import gradient_ops, plain_torch_function, storageless_like
+from .param_table import ParamTable
 from .reduced_grads import ReducedGrads
 
 __all__ = ["GradViews", "ShardedGrad", "grad_scaler_state"]
@@ -226,11 +227,10 @@ class GradViews:
     """One :class:`ShardedGrad` per managed param, put into and taken out of ``p.grad``."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], grads: ReducedGrads, explain_failure: Callable[[], None]
+        self, table: ParamTable, grads: ReducedGrads, explain_failure: Callable[[], None]
     ) -> None:
-        self.params = tuple(params)
-        names = [getattr(p, "_fxzero_name", None) or f"params[{slot}]" for slot, p in enumerate(self.params)]
-        self.views = tuple(ShardedGrad(p, grads, slot, name) for slot, (p, name) in enumerate(zip(self.params, names)))
+        self.params = table.params
+        self.views = tuple(ShardedGrad(row.param, grads, row.slot, row.label) for row in table.rows)
         self.installed = False
         self._explain_failure = explain_failure
         """Raises the clear error when a view no longer fits its param (the model was cast)."""

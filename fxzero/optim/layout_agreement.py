@@ -26,15 +26,15 @@ Description = tuple[tuple[tuple[Any, ...], ...], tuple[Any, ...]]
 
 
 def describe_layout(
-    layout: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], settings: tuple[Any, ...]
+    layout: Sequence[torch.Tensor], groups: Sequence[dict[str, Any]], names: dict[int, str], settings: tuple[Any, ...]
 ) -> Description:
     """``((name, shape, dtype, group, shared_embedding) per param in layout order), settings)``.
-    Names come from ``module=`` or from ``named_parameters()`` groups; else ``None``."""
+    ``names`` (by ``id(param)``, :func:`~fxzero.optim.param_table.param_names`) come from
+    ``module=`` or from ``named_parameters()`` groups; a param without one is ``None``."""
     group_of = {id(p): g for g, group in enumerate(groups) for p in group["params"]}
-    names = {id(p): n for group in groups for p, n in zip(group["params"], group.get("param_names") or ())}
     params = tuple(
         (
-            getattr(p, "_fxzero_name", None) or names.get(id(p)),
+            names.get(id(p)),
             tuple(p.shape),
             str(p.dtype),
             group_of[id(p)],

@@ -39,6 +39,7 @@ import torch.distributed as dist
 from .._torch_compat import profiler_enabled
 from .buffers import Bucket
 from .comm import DataParallelGroup
+from .param_table import ParamTable
 
 __all__ = ["Gather", "ParamSync", "PlainGather", "install_param_waits"]
 
@@ -103,9 +104,17 @@ class ParamSync:
     """All-gather state of a fixed list of buckets for one step."""
 
     def __init__(
-        self, buckets: Sequence[Bucket], dp: DataParallelGroup, *, overlap: bool, gather: Optional[Gather] = None
+        self,
+        buckets: Sequence[Bucket],
+        dp: DataParallelGroup,
+        *,
+        overlap: bool,
+        gather: Optional[Gather] = None,
+        described: Sequence[str] = (),
     ) -> None:
         self.buckets = tuple(buckets)
+        self._described = tuple(described) or ("",) * len(self.buckets)
+        """Per bucket, its params as failed collectives name them."""
         self.dp = dp
         self.overlap = overlap
         self.gather = gather if gather is not None else PlainGather(buckets, dp)
@@ -152,7 +161,7 @@ class ParamSync:
         self._launch_through(self._position[index] + 1)
         work = self._works[index]
         if work is not None:
-            self.dp.wait(work, "param all-gather", index, self.buckets[index].params)
+            self.dp.wait(work, "param all-gather", index, self._described[index])
             self._works[index] = None
         self.gather.land(index)
         self._stale[index] = False
@@ -213,14 +222,14 @@ class _WaitBeforeForward:
         self.sync.wait_many(buckets)
 
 
-def install_param_waits(module: torch.nn.Module, buckets: Sequence[Bucket], sync: ParamSync) -> list[Any]:
+def install_param_waits(module: torch.nn.Module, table: ParamTable, sync: ParamSync) -> list[Any]:
     """Forward pre-hooks on every submodule that owns managed params (waiting for their
     buckets) and ``state_dict`` / ``load_state_dict`` pre-hooks on ``module``; returns
     the hook handles."""
-    bucket_of = {id(p): b.index for b in buckets for p in b.params}
     owners = {}
     for sub in module.modules():
-        owned = {bucket_of[id(p)] for p in sub._parameters.values() if p is not None and id(p) in bucket_of}
+        slots = [table.find(p) for p in sub._parameters.values()]
+        owned = {table.bucket_of_slot[s] for s in slots if s is not None}
         if owned:
             owners[id(sub)] = (sub, tuple(sorted(owned, reverse=True)))
     hook = _WaitBeforeForward(sync, list(owners.values()))

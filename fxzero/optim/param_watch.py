@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from .param_sync import Gather
+from .param_table import ParamTable
 from .shards import BucketShard
 
 __all__ = ["ParamWatch"]
@@ -41,9 +42,9 @@ class ParamWatch:
     """Per-step checks that the params are still the ones the optimizer updates."""
 
     def __init__(
-        self, params: Sequence[torch.nn.Parameter], shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: bytearray
+        self, table: ParamTable, shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: bytearray
     ) -> None:
-        self.params, self.gather, self.rank = tuple(params), gather, rank
+        self.table, self.params, self.gather, self.rank = table, table.params, gather, rank
         self._pointers = [p.data_ptr() for p in self.params]
         self._compiled = compiled
         self._separate = [s for s in shards if not s.main_is_param]
@@ -65,9 +66,9 @@ class ParamWatch:
         """Raise if a param was moved, cast or rebound, or got tensor hooks too late."""
         for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
             if param.data_ptr() != pointer:
-                raise RuntimeError(_moved_message(slot, param))
+                raise RuntimeError(_moved_message(self.table.label(slot), param))
             if param._backward_hooks and self._compiled[slot]:
-                raise RuntimeError(_late_hook_message(slot, param))
+                raise RuntimeError(_late_hook_message(self.table.label(slot)))
 
     def adopt_outside_writes(self) -> None:
         """Masters take every value of this rank's shards written outside the optimizer."""
@@ -94,22 +95,18 @@ def _words(values: torch.Tensor) -> torch.Tensor:
     return values.view(torch.uint8)
 
 
-def _label(slot: int, param: torch.Tensor) -> str:
-    return repr(getattr(param, "_fxzero_name", None) or f"params[{slot}]")
-
-
-def _moved_message(slot: int, param: torch.Tensor) -> str:
+def _moved_message(label: str, param: torch.Tensor) -> str:
     return (
-        f"fxzero: param {_label(slot, param)} (now {param.dtype} on {param.device}) is no longer a view of the "
+        f"fxzero: param {label!r} (now {param.dtype} on {param.device}) is no longer a view of the "
         "optimizer's flat buffer: the model was cast or moved (model.double()/.half()/.to(...)) or `param.data` "
         "was replaced after DistributedOptimizer was built, so step() could not update it. Move and cast the "
         "model first, then build the optimizer."
     )
 
 
-def _late_hook_message(slot: int, param: torch.Tensor) -> str:
+def _late_hook_message(label: str) -> str:
     return (
-        f"fxzero: param {_label(slot, param)} got a tensor hook (register_hook) after a compiled graph reading it "
+        f"fxzero: param {label!r} got a tensor hook (register_hook) after a compiled graph reading it "
         "was built; that graph's backward hands its gradient to fxzero without running the hook. Register "
         "hooks before the first compiled call (or call torch.compiler.reset() after registering them)."
     )

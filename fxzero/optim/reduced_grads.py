@@ -25,7 +25,8 @@ import torch
 
 from .._torch_compat import foreach_mul_, foreach_norm
 from .comm import DataParallelGroup
-from .grad_sync import GradSync
+from .grad_sync import GradReductions
+from .ledger import Ledger
 from .shards import BucketShard, FragmentTensor
 
 __all__ = ["ReducedGrads"]
@@ -35,11 +36,17 @@ class ReducedGrads:
     """This rank's averaged gradient fragments, per-param global statistics and scales."""
 
     def __init__(
-        self, sync: GradSync, shards: Sequence[BucketShard], fragments: Sequence[FragmentTensor], dp: DataParallelGroup
+        self,
+        ledger: Ledger,
+        reductions: GradReductions,
+        shards: Sequence[BucketShard],
+        fragments: Sequence[FragmentTensor],
+        dp: DataParallelGroup,
     ) -> None:
-        self.sync, self.shards, self.fragments, self.dp = sync, tuple(shards), tuple(fragments), dp
-        self.num_params = n = len(sync.params)
-        device = sync.params[0].device
+        self.ledger, self.reductions = ledger, reductions
+        self.shards, self.fragments, self.dp = tuple(shards), tuple(fragments), dp
+        self.num_params = n = len(ledger.presence)
+        device = shards[0].main.device
         self._grads = [f.grad for f in fragments]
         self._shard_grads = [s.main_grad for s in shards]
         self._slot_list = [f.slot for f in fragments]
@@ -65,7 +72,7 @@ class ReducedGrads:
         """Wait for this step's reductions; fp32 copies of 16-bit grad shards."""
         if self._finished:
             return
-        self.sync.finish()
+        self.reductions.finish()
         for shard in self.shards:
             if not shard.main_grad_is_grad:
                 shard.main_grad.copy_(shard.bucket.grad_shards[self.dp.rank])
@@ -77,7 +84,7 @@ class ReducedGrads:
             return
         self.finish()
         n, stats = self.num_params, self._stats
-        stats[:n].copy_(self.sync.presence_tensor)
+        stats[:n].copy_(self.ledger.presence_tensor)
         stats[n:].zero_()
         if self._grads:
             # per-fragment norms in fp32 (as clip_grad_norm_ does; fp64 elements cost 16x), summed in fp64

@@ -22,7 +22,8 @@ from typing import Sequence
 import torch
 
 from .buffers import Bucket, ParamAndGradBuffer
-from .layout import shard_fragments
+from .layout import Fragment, shard_fragments
+from .param_table import ParamTable
 
 __all__ = ["BucketShard", "FragmentTensor", "build_shards"]
 
@@ -46,6 +47,8 @@ class FragmentTensor:
     """Index of the owning param among the optimizer's managed params."""
     param: torch.Tensor
     grad: torch.Tensor
+    where: Fragment
+    """Which part of the param it is (offsets in the param and in the shard)."""
 
 
 def _bucket_shard(bucket: Bucket, rank: int, separate_mains: bool) -> BucketShard:
@@ -62,7 +65,7 @@ def _bucket_shard(bucket: Bucket, rank: int, separate_mains: bool) -> BucketShar
 
 
 def build_shards(
-    buffers: Sequence[ParamAndGradBuffer], slot_of: dict[int, int], rank: int, *, separate_mains: bool = False
+    buffers: Sequence[ParamAndGradBuffer], table: ParamTable, rank: int, *, separate_mains: bool = False
 ) -> tuple[tuple[BucketShard, ...], tuple[FragmentTensor, ...]]:
     """Make this rank's bucket shards and fragment tensors, in bucket order.
     ``separate_mains`` keeps fp32 masters apart from fp32 params too (a lossy gather
@@ -75,8 +78,8 @@ def build_shards(
         for frag in shard_fragments(buffer.plan, rank):
             shard = local[frag.bucket_id]
             lo, hi = frag.shard_offset, frag.shard_offset + frag.numel
-            slot = slot_of[id(buffer.params[frag.param_index])]
+            slot = table.slots([buffer.params[frag.param_index]])[0]
             view = shard.main[lo:hi]
             view.grad = shard.main_grad[lo:hi]
-            fragments.append(FragmentTensor(slot, view, view.grad))
+            fragments.append(FragmentTensor(slot, view, view.grad, frag))
     return tuple(shards), tuple(fragments)

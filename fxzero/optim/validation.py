@@ -1,4 +1,4 @@
-"""Checks on what users hand to :class:`~fxzero.optim.optimizer.DistributedOptimizer`.
+"""Checks on what users hand to :class:`~fxzero.distributed_optimizer.DistributedOptimizer`.
 
 All of them run before any param is touched, and each error names the param, group
 or keyword at fault, so a bad call leaves the model exactly as it was.
@@ -19,7 +19,6 @@ __all__ = [
     "check_managed_params",
     "check_optimizer_kwargs",
     "layout_order",
-    "tag_param_names",
 ]
 
 log = logging.getLogger(__name__)
@@ -118,15 +117,6 @@ def layout_order(
     if not inside:
         raise ValueError("module holds none of the optimizer's params; pass the model they belong to")
     return tuple(inside) + tuple(p for p in params if id(p) not in rank)
-
-
-def tag_param_names(module: torch.nn.Module, params: Sequence[torch.nn.Parameter]) -> None:
-    """Remember each managed param's module path (``_fxzero_name``), so that a failed
-    collective can name the params of the bucket it was waiting for."""
-    managed = {id(p) for p in params}
-    for name, param in module.named_parameters():
-        if id(param) in managed:
-            param._fxzero_name = name
 
 
 def check_first_order(optimizer_class: type) -> None:

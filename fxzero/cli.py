@@ -30,7 +30,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
 import torch
 
-from ..config import Config
+from .config import Config
 from .parity import cli as parity_cli
 from .target import TargetError, load_target
 
@@ -154,7 +154,7 @@ def _parity_parser(commands: Any) -> None:
 
 
 def _optimizer(model: torch.nn.Module, args: argparse.Namespace) -> Any:
-    from ..optim import DistributedOptimizer
+    from .distributed_optimizer import DistributedOptimizer
 
     size = "auto" if args.bucket_size is None else None if args.bucket_size == "none" else args.bucket_size
     config = Config(bucket_size=size, pad_for_high_busbw=args.pad_for_high_busbw)
@@ -179,7 +179,7 @@ def _fake_group(world_size: Optional[int], parser: argparse.ArgumentParser) -> I
 
 
 def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
-    from .explain import explain
+    from .explainer import explain
 
     with _fake_group(args.world_size, parser):
         factory = load_target(args.target, _DEFAULT_FUNCTION, "(model, example_inputs[, optimizer])")

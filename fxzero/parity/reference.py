@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 import torch
 import torch.nn as nn
 
-from ... import mxfp8
+from .. import mxfp8
 from .plan import ParityError, split_batch, trainable_params
 
 __all__ = ["Trainer", "Trace", "max_abs_diff", "one_thread", "param_snapshot", "run_references"]

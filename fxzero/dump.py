@@ -43,8 +43,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 
-from .. import _torch_compat as compat
-from ..passes.matchers import LAUNCH_META, WAIT_META
+from . import _torch_compat as compat
+from .passes.matchers import LAUNCH_META, WAIT_META
 
 __all__ = [
     "DUMP_DIR_ENV",

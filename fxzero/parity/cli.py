@@ -25,7 +25,7 @@ import argparse
 import sys
 
 from ..target import TargetError, load_target
-from ...testing import RankError, RankTimeout
+from ..testing import RankError, RankTimeout
 from .plan import RETURNS, ParityError, ParityOptions, unpack_target
 from .ranks import DEFAULT_FUNCTION
 from .run import check

@@ -40,28 +40,29 @@ import logging
 import math
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..config import Config
-from ..mxfp8.gather import Mxfp8Gather
-from .binding import GraphBinding, InputBinding
-from .buffers import ParamAndGradBuffer
-from .comm import DataParallelGroup
-from .grad_sync import GradSync
-from .grad_views import GradViews, grad_scaler_state
-from .initial_broadcast import broadcast_initial_state
-from .layout import plan_buckets
-from .layout_agreement import check_ranks_agree, describe_layout
-from .param_sync import Gather, ParamSync, PlainGather, install_param_waits
-from .param_watch import ParamWatch
-from .reduced_grads import ReducedGrads
-from .shards import build_shards
-from .state_dict import STATE_FORMAT, check_state_dict
-from .validation import check_first_order, check_group_keys, check_leaves, check_managed_params
-from .validation import check_optimizer_kwargs, layout_order, tag_param_names
+from .config import Config
+from .mxfp8.gather import Mxfp8Gather
+from .optim.binding import GraphBinding, InputBinding
+from .optim.buffers import ParamAndGradBuffer, build_buffers
+from .optim.comm import DataParallelGroup
+from .optim.grad_sync import GradReductions, GradSync
+from .optim.grad_views import GradViews, grad_scaler_state
+from .optim.initial_broadcast import broadcast_initial_state
+from .optim.layout_agreement import check_ranks_agree, describe_layout
+from .optim.ledger import Ledger
+from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
+from .optim.param_table import ParamTable, param_names
+from .optim.param_watch import ParamWatch
+from .optim.reduced_grads import ReducedGrads
+from .optim.shards import FragmentTensor, build_shards
+from .optim.state_dict import STATE_FORMAT, check_state_dict
+from .optim.validation import check_first_order, check_group_keys, check_leaves, check_managed_params
+from .optim.validation import check_optimizer_kwargs, layout_order
 
 __all__ = ["DistributedOptimizer", "StepResult"]
 
@@ -127,20 +128,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for group in self.param_groups:
             for name, value in self.defaults.items():
                 group.setdefault(name, value)
-        self.params = check_managed_params(self.param_groups)
+        params = check_managed_params(self.param_groups)
         check_first_order(optimizer_class)
         self.optimizer_class = optimizer_class
-        self._layout = layout_order(self.params, module, len(self.param_groups))
-        if module is not None:
-            tag_param_names(module, self.params)
-        check_ranks_agree(self.dp, describe_layout(self._layout, self.param_groups, self._settings()), self.params[0].device)
+        layout = layout_order(params, module, len(self.param_groups))
+        names = param_names(self.param_groups, module)
+        check_ranks_agree(self.dp, describe_layout(layout, self.param_groups, names, self._settings()), params[0].device)
         # Eager reads can only be made to wait through the module's hooks: no module, no overlap.
-        self._overlap = self.config.overlap_param_gather and module is not None
+        overlap = self.config.overlap_param_gather and module is not None
         if self.config.overlap_param_gather and module is None and self.dp.size > 1:
             log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
-        self._build_runtime(module)
+        self.buffers = build_buffers(layout, self.config, self.dp)
+        if self.config.init_sync:
+            broadcast_initial_state(self.dp, [b.param_data for b in self.buffers], module, params)
+        self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
+        bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
+        self.param_table = ParamTable.build(self.param_groups, names, bucket_of)
+        """Every managed param's slot, name, group and bucket: what the other parts look params up in."""
+        self.params = self.param_table.params
+        self._build_runtime(overlap)
         if module is not None:
-            handles = install_param_waits(module, self.buckets, self.param_sync)
+            handles = install_param_waits(module, self.param_table, self.param_sync)
             weakref.finalize(self, _remove_handles, handles)
 
     # ---- construction -----------------------------------------------------------
@@ -150,65 +158,48 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return (c.resolved_bucket_size(self.dp.size, self.dp.backend), c.pad_for_high_busbw, c.shard_multiple, c.grad_dtype,
                 self.dp.grad_collective, c.mxfp8_param_gather, c.reuse_grad_buf_for_mxfp8_param_ag)  # fmt: skip
 
-    def _build_runtime(self, module: Optional[torch.nn.Module]) -> None:
-        slot_of = {id(p): slot for slot, p in enumerate(self.params)}
-        self.buffers = self._build_buffers()
-        if self.config.init_sync:
-            broadcast_initial_state(self.dp, [b.param_data for b in self.buffers], module, self.params)
-        self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
-        self.grad_sync = GradSync(self.buckets, self.params, self.dp)
+    def _build_runtime(self, overlap: bool) -> None:
+        """Assemble the parts; each gets what it needs at construction (no callback is
+        assigned later). Hooks and compiled graphs hold the parts, never the optimizer:
+        when the optimizer goes away its hooks go too, or a successor optimizer would see
+        every gradient twice."""
+        table, dp = self.param_table, self.dp
+        described = [table.describe(table.slots(b.params)) for b in self.buckets]
         self.gather = self._build_gather()
-        self.param_sync = ParamSync(self.buckets, self.dp, overlap=self._overlap, gather=self.gather)
+        self.param_sync = ParamSync(self.buckets, dp, overlap=overlap, gather=self.gather, described=described)
         self._reuse = self.config.reuse_grad_buf_for_mxfp8_param_ag
-        if self._reuse:  # gather bytes sit in the grad buffer: land a bucket before touching its grads
-            self.grad_sync.before_grad_write = self.param_sync.wait
-        separate = self.config.mxfp8_param_gather
-        self.shards, self.fragments = build_shards(self.buffers, slot_of, self.dp.rank, separate_mains=separate)
-        self.local = self._build_local_optimizer(slot_of)
-        self.binding = GraphBinding(self.params, self.grad_sync, self.param_sync)
+        # gather bytes sit in the grad buffer: land a bucket before touching its grads
+        before_grad_write = self.param_sync.wait if self._reuse else None
+        self.ledger = Ledger(table.bucket_of_slot, len(self.buckets), label=table.label)
+        self.reductions = GradReductions(self.buckets, dp, self.ledger, described=described, before_grad_write=before_grad_write)
+        self.shards, self.fragments = build_shards(self.buffers, table, dp.rank, separate_mains=self.config.mxfp8_param_gather)
+        """``fragments``: this rank's pieces of the params, each its slot, where it lies in the
+        param (``where``) and the fp32 master view the wrapped optimizer steps (``param``)."""
+        self.local = self._build_local_optimizer()
+        self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp)
+        self.param_watch = ParamWatch(table, self.shards, self.gather, dp.rank, self.ledger.compiled)
+        self.grad_views = GradViews(table, self.reduced, self.param_watch.check)
+        self.grad_sync = GradSync(
+            self.params, self.ledger, self.reductions, before_grad_write=before_grad_write, after_backward=self.grad_views.install
+        )
+        self.binding = GraphBinding(table, self.ledger, self.grad_sync, self.param_sync)
         """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
-        for slot, param in enumerate(self.params):
+        for param in self.params:
             param._fxzero_owner = weakref.ref(self)
-            param._fxzero_slot = slot
         self.grad_sync.install_hooks()
-        self.reduced = ReducedGrads(self.grad_sync, self.shards, self.fragments, self.dp)
-        self.param_watch = ParamWatch(self.params, self.shards, self.gather, self.dp.rank, self.grad_sync.compiled)
-        self.grad_views = GradViews(self.params, self.reduced, self.param_watch.check)
-        self.grad_sync.after_backward = self.grad_views.install
-        # Hooks hold the GradSync, not the optimizer: when the optimizer goes away its
-        # hooks must go too, or a successor optimizer would see every gradient twice.
         weakref.finalize(self, self.grad_sync.remove_hooks)
         weakref.finalize(self, self.grad_views.clear)
 
     def _build_gather(self) -> Gather:
+        """The one place the gather is chosen: ``optim`` defines the protocol, ``mxfp8`` implements one."""
         if not self.config.mxfp8_param_gather:
             return PlainGather(self.buckets, self.dp)
         return Mxfp8Gather(self.buckets, self.dp, reuse_grad_buffer=self.config.reuse_grad_buf_for_mxfp8_param_ag)
 
-    def _build_buffers(self) -> tuple[ParamAndGradBuffer, ...]:
-        """One buffer per (param dtype, grad dtype), in order of first appearance."""
-        groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for param in self._layout:
-            groups.setdefault(param.dtype, []).append(param)
-        bucket_size = self.config.resolved_bucket_size(self.dp.size, self.dp.backend)
-        buffers, first = [], 0
-        for params in groups.values():
-            plan = plan_buckets(
-                params,
-                dp_size=self.dp.size,
-                bucket_size=bucket_size,
-                pad_for_high_busbw=self.config.pad_for_high_busbw,
-                shard_multiple=self.config.shard_multiple,
-            )
-            buffers.append(ParamAndGradBuffer(params, plan, grad_dtype=self.config.grad_dtype, first_bucket_index=first))
-            first += len(plan.buckets)
-        return tuple(buffers)
-
-    def _build_local_optimizer(self, slot_of: dict[int, int]) -> torch.optim.Optimizer:
-        group_of_slot = {slot_of[id(p)]: g for g, group in enumerate(self.param_groups) for p in group["params"]}
+    def _build_local_optimizer(self) -> torch.optim.Optimizer:
         local_groups = [_hyperparameters(group) | {"params": []} for group in self.param_groups]
         for frag in self.fragments:
-            local_groups[group_of_slot[frag.slot]]["params"].append(frag.param)
+            local_groups[self.param_table.rows[frag.slot].group]["params"].append(frag.param)
         return self.optimizer_class(local_groups, **self._kwargs)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -246,7 +237,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _update(self, dropped: list[int], loss: Any) -> StepResult:
         grads = self.reduced
         norm, absent = grads.total_norm(dropped), grads.absent(dropped)
-        self.grad_sync.reset()
+        self.ledger.start_step()
         grad_scale, found_inf = grad_scaler_state(self)
         if len(absent) == len(self.params):
             _warn_no_gradients(dropped)
@@ -260,7 +251,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         with grads.hidden(absent):
             self.local.step()
-        self._write_back_and_gather()
+        self._publish_and_gather()
         return StepResult(skipped=False, grad_norm=norm, loss=loss)
 
     def _clip_coefficient(self, norm: float) -> float:
@@ -281,7 +272,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name in self.defaults:
                 local[name] = group[name]
 
-    def _write_back_and_gather(self) -> None:
+    def _publish_and_gather(self) -> None:
+        """The fp32 masters -> the gather's input (param shard or MXFP8 row); launch."""
         for shard in self.shards:
             self.gather.publish(shard.bucket.index, shard.main)
         self.start_param_sync()
@@ -311,8 +303,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._zero_grads()
 
     def _zero_grads(self) -> None:
-        self.grad_sync.finish_launched()
-        if self.grad_sync.written:
+        self.reductions.finish_launched()
+        if self.ledger.written:
             if self._reuse:
                 # a bucket whose gather is pending holds gather bytes: landing zeroes it
                 for bucket in self.buckets:
@@ -321,8 +313,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             else:
                 for buffer in self.buffers:
                     buffer.grad_data.zero_()
-            self.grad_sync.written = False
-        self.grad_sync.reset()
+            self.ledger.zeroed()
+        self.ledger.start_step()
         self.reduced.reset()
 
     # ---- state ------------------------------------------------------------------
@@ -341,15 +333,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         check_state_dict(state_dict, self.dp, self._layout_key(), len(self.param_groups))
-        self.local.load_state_dict(state_dict["local"])
-        for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-            group.update(saved)
-        self.finish_param_sync()  # nothing in flight may land over the loaded values
-        separate = [s for s in self.shards if not s.main_is_param]
-        for shard, saved in zip(separate, state_dict["main_shards"]):
-            shard.main.copy_(saved)
-        self._write_back_and_gather()
+        with self.replacing_state():
+            self.local.load_state_dict(state_dict["local"])
+            for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+                group.update(saved)
+            separate = [s for s in self.shards if not s.main_is_param]
+            for shard, saved in zip(separate, state_dict["main_shards"]):
+                shard.main.copy_(saved)
+
+    # ---- the state API checkpoints use (load_state_dict uses it too) -------------
+    @contextlib.contextmanager
+    def replacing_state(self) -> Iterator[None]:
+        """Replace this rank's fp32 masters (``fragments[i].param``) or the wrapped
+        optimizer's state inside the block. Gathers in flight land first, so none lands
+        over what is loaded; on exit the masters are published and gathered, so every
+        param holds the loaded values."""
         self.finish_param_sync()
+        yield
+        self._publish_and_gather()
+        self.finish_param_sync()
+
+    def fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
+        """The wrapped optimizer's state of one of this rank's :attr:`fragments` (AdamW's
+        ``exp_avg``, ``exp_avg_sq``, ``step``); empty before its first update."""
+        return self.local.state.get(fragment.param, {})
+
+    def load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """Give the wrapped optimizer ``states[i]`` for ``fragments[i]`` (inside
+        :meth:`replacing_state`); torch.optim's loader casts and moves each tensor as its
+        own policy wants."""
+        if len(states) != len(self.fragments):
+            raise ValueError(f"load_fragment_states: {len(states)} states for {len(self.fragments)} fragments")
+        index_of = {id(p): i for i, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
+        loaded = {index_of[id(f.param)]: state for f, state in zip(self.fragments, states) if state}
+        self.local.load_state_dict({"state": loaded, "param_groups": self.local.state_dict()["param_groups"]})
 
     def _layout_key(self) -> list[tuple[str, int, list[tuple[int, int]]]]:
         return [
@@ -362,7 +379,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the chunked all-to-all reduction's receive slots (gloo), the MXFP8 gather's (only this
         rank's row when it reuses the grad buffer) and the scratch that checks bf16/fp16 or
         MXFP8 params for values written outside the optimizer."""
-        exchange = self.grad_sync.exchange.nbytes if self.grad_sync.exchange is not None else 0
+        exchange = self.reductions.exchange.nbytes if self.reductions.exchange is not None else 0
         return sum(b.nbytes for b in self.buffers) + exchange + self.gather.nbytes + self.param_watch.nbytes
 
     @property
@@ -370,7 +387,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Collectives one training step issues on this rank with ``Config.clip_grad`` or no
         clipping, by ``c10d`` op name: the gradient reductions, the all-reduce of the norm and
         gradient flags, the param gathers. None at world size 1."""
-        counts = {**self.grad_sync.collectives_per_step(), **self.param_sync.collectives_per_step()}
+        counts = {**self.reductions.collectives_per_step(), **self.param_sync.collectives_per_step()}
         if self.dp.size > 1:
             counts["allreduce"] = counts.get("allreduce", 0) + 1
         return counts

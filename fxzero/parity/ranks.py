@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from ...optim import DistributedOptimizer
+from ..distributed_optimizer import DistributedOptimizer
 from ..target import load_target
 from .plan import (
     RETURNS,

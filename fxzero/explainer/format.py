@@ -1,6 +1,6 @@
 """Text of :func:`fxzero.explain`: the bucket table, the marked graphs, the schedule.
 
-Why a separate module: :mod:`fxzero.debug.explain` decides *what* to record; this
+Why a separate module: :mod:`fxzero.explainer` decides *what* to record; this
 decides how a newcomer reads it. The output must answer, from one screen: how many
 buckets and how much padding (table), where each reduce-scatter fires and each gather
 is waited (schedule, as % of the graph), and which graph touched which bucket (table's
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from tabulate import tabulate
 
 if TYPE_CHECKING:
-    from .dump import InsertedNode
-    from .explain import Explained, Graph, Recorded
+    from ..dump import InsertedNode
+    from . import Explained, Graph, Recorded
 
 __all__ = ["render"]
 

@@ -13,7 +13,7 @@ one compile: nothing registered process-wide), then zeroes the grads so training
 is unchanged. It compiles through a wrapper function of its own and never resets Dynamo:
 the compiled graphs of the user's process survive an explain. It returns a bucket table, every graph's code
 with fxzero's inserted nodes marked and named by bucket and params named by module
-path, and a per-bucket schedule (:mod:`fxzero.debug.explain_format` renders them).
+path, and a per-bucket schedule (:mod:`fxzero.explainer.format` renders them).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from typing import Any, Optional, Sequence, Union
 import torch
 import torch.fx as fx
 
-from . import explain_format as _format
-from .dump import GraphDumper, InsertedNode, inserted_nodes
+from . import format as _format
+from ..dump import GraphDumper, InsertedNode, inserted_nodes
 
 __all__ = ["explain"]
 

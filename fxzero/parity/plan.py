@@ -17,9 +17,9 @@ from typing import Any, Callable, Literal, Optional, Sequence, Union
 import torch
 import torch.nn as nn
 
-from ..._torch_compat import batch_norm_base
-from ...config import Config
-from ...optim import DistributedOptimizer
+from .._torch_compat import batch_norm_base
+from ..config import Config
+from ..distributed_optimizer import DistributedOptimizer
 from ..target import TargetError
 
 __all__ = [

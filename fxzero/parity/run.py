@@ -16,7 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.nn as nn
 
-from ...testing import run_ranks
+from ..testing import run_ranks
 from ..target import resolve_target
 from .plan import (
     OptimizerSpec,

@@ -1,0 +1,239 @@
+"""The readiness ledger: which buckets may launch their gradient reduction now.
+
+Pure state, no collective: expected gradient counts per bucket and per pending forward
+go in, and each answer is the range of buckets that may launch now. The one rule that
+decides launches lives here:
+
+* A bucket is **ready** when every contribution expected of it this step arrived. The
+  eager baseline expects one per param its compiled graphs do not read (an eager param's
+  post-accumulate hook fires once per backward, however many times it was used); each run
+  of a compiled forward adds what its backward will deliver per bucket (:meth:`forward_ran`).
+* A bucket **launches** when it is ready and every lower-indexed bucket launched, so every
+  rank issues its collectives in bucket order whatever order data-dependent control flow
+  produced the gradients in. The end of each backward launches the rest
+  (:meth:`end_of_backward`), so a param that got no gradient never blocks.
+* Under ``no_sync`` (:attr:`accumulating`) nothing launches.
+* A param read both by a compiled graph and eagerly ("mixed", a tied embedding across a
+  graph break) is discovered when its eager gradient first arrives; its eager
+  contribution is expected from then on. The first step after a new graph compiled is a
+  **learning** step that launches only at the end of backward, so such a discovery never
+  comes after its bucket launched.
+
+**Pending forwards.** A forward whose backward never runs (a validation loss computed with
+grad enabled) would leave its counts behind, and each bucket it read would wait for the end
+of the next backward: the overlap silently lost. So each forward's counts stay tied to its
+autograd node; at the first gradient of every backward exactly the recorded forwards that
+this backward executes are counted and the others taken out (put back if a later backward
+runs them). Forwards whose graph was freed are forgotten. Counts survive
+:meth:`start_step`: a forward's backward may come after ``zero_grad()`` or ``step()``.
+
+The autograd engine is reached through an :class:`Engine` given at construction, so the
+ledger is tested with a fake one, without autograd or a process group
+(``tests/test_ledger.py``), like :func:`~fxzero.optim.layout.plan_buckets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+
+import torch
+
+from .._torch_compat import current_graph_task_id, will_engine_execute_node
+
+__all__ = ["AUTOGRAD", "Engine", "LateGradient", "Ledger"]
+
+log = logging.getLogger(__name__)
+
+NOTHING = range(0)
+
+
+class Engine(Protocol):
+    """What the ledger asks the autograd engine."""
+
+    def task_id(self) -> int:
+        """The running backward's id; -1 outside a backward."""
+
+    def will_execute(self, node: Any) -> bool:
+        """Whether the running backward executes autograd ``node``."""
+
+
+class _Autograd:
+    @staticmethod
+    def task_id() -> int:
+        return current_graph_task_id()
+
+    @staticmethod
+    def will_execute(node: Any) -> bool:
+        return will_engine_execute_node(node)
+
+
+AUTOGRAD: Engine = _Autograd()
+
+
+class LateGradient(RuntimeError):
+    """A gradient arrived for a bucket that was already launched in this step."""
+
+
+@dataclasses.dataclass(eq=False)
+class _Forward:
+    node: "weakref.ref[Any]"
+    counts: Sequence[tuple[int, int]]
+    """``(bucket, gradients)`` its backward delivers."""
+    counted: bool = True
+
+
+class Ledger:
+    """Readiness of a fixed list of buckets; slot ``s`` lives in bucket ``bucket_of_slot[s]``."""
+
+    def __init__(
+        self, bucket_of_slot: Sequence[int], num_buckets: int, *, label: Callable[[int], str] = str, engine: Engine = AUTOGRAD
+    ) -> None:
+        self.bucket_of_slot = tuple(bucket_of_slot)
+        self.num_buckets = num_buckets
+        self._label, self._engine = label, engine
+        n = len(self.bucket_of_slot)
+        self.compiled = bytearray(n)
+        """``compiled[slot]`` is 1 once a compiled graph's backward hands that gradient over directly."""
+        self._mixed = bytearray(n)  # ... and it also gets eager gradients
+        self._baseline = [0] * num_buckets  # eager contributions expected
+        for bucket in self.bucket_of_slot:
+            self._baseline[bucket] += 1
+        self._pending = list(self._baseline)
+        self._next = 0  # buckets below have launched
+        self._zeros = bytes(n)
+        self._seen = bytearray(n)
+        self.presence = bytearray(n)
+        """``presence[slot]`` is 1 once that param got any gradient since the step began."""
+        self.presence_tensor = torch.frombuffer(self.presence, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
+        self.written = False
+        """A gradient reached the buffers since they were last zeroed (:meth:`zeroed`)."""
+        self.learning = False
+        self.accumulating = False
+        self._forwards: list[_Forward] = []
+        self._task = -1
+
+    # ---- in: what the producers report ------------------------------------------
+    def compiled_graph(self, slots: Iterable[int]) -> None:
+        """A newly compiled graph reads ``slots``: their gradients come from its backward,
+        counted per forward run. The next step is a learning step."""
+        for slot in slots:
+            if not self.compiled[slot]:
+                self.compiled[slot] = 1
+                self._baseline[self.bucket_of_slot[slot]] -= 1
+                self._pending[self.bucket_of_slot[slot]] -= 1
+        self.learning = True
+
+    def forward_ran(self, counts: Sequence[tuple[int, int]], node: Any) -> None:
+        """A compiled forward ran; its backward (from autograd ``node``) delivers ``count``
+        gradients per bucket. Counted under ``no_sync`` too: the backward subtracts them
+        whichever context it runs in."""
+        self._adjust(counts, 1)
+        self._forwards.append(_Forward(weakref.ref(node), counts))
+
+    def eager_grad(self, slot: int) -> Optional[range]:
+        """Param ``slot``'s eager gradient arrived; ``None`` when it is not a counted
+        contribution (accumulating, a repeat, or a mixed param discovered now), else the
+        buckets that may launch now."""
+        self._arrived()
+        self.presence[slot] = 1
+        if self.accumulating:
+            return None
+        bucket = self.bucket_of_slot[slot]
+        self._check_open(bucket, slot)
+        if self.compiled[slot] and not self._mixed[slot]:
+            log.info("param %s is read by a compiled graph and eagerly; expecting both from now on", self._label(slot))
+            self._mixed[slot] = 1
+            self._baseline[bucket] += 1
+            return None  # not counted this step: the count did not expect it
+        if self._seen[slot]:
+            return None
+        self._seen[slot] = 1
+        return self._contribute(bucket, 1)
+
+    def compiled_grads(self, bucket: int, count: int, slots: Sequence[int]) -> Optional[range]:
+        """``count`` gradients of ``bucket`` arrived from a compiled backward (the caller
+        marks their presence: ``slots``); ``None`` when accumulating, else the buckets that may launch."""
+        self._arrived()
+        if bucket < self._next:
+            self._check_open(bucket, int(slots[0]))
+        self._pending[bucket] -= count
+        return None if self.accumulating else self._contribute(bucket, 0)
+
+    def end_of_backward(self) -> range:
+        """The backward finished: the counts were learned; every bucket not launched may launch."""
+        self.learning = False  # not at start_step: zero_grad may sit between forward and backward
+        return self.rest()
+
+    def rest(self) -> range:
+        """Every bucket not launched yet, in order (they count as launched from now on)."""
+        launch, self._next = range(self._next, self.num_buckets), self.num_buckets
+        return launch
+
+    def start_step(self) -> None:
+        """A new step: nothing ready, launched or seen. Counted forwards whose backward has
+        not run yet stay expected; forwards whose graph is gone are forgotten."""
+        self._pending[:] = self._baseline
+        self._forwards = [f for f in self._forwards if f.node() is not None]
+        for forward in self._forwards:
+            if forward.counted:
+                self._adjust(forward.counts, 1)
+        self._next = 0
+        self._seen[:] = self._zeros
+        self.presence[:] = self._zeros
+
+    def zeroed(self) -> None:
+        """The grad buffers were zeroed."""
+        self.written = False
+
+    # ---- out ----------------------------------------------------------------------
+    @property
+    def launched(self) -> tuple[bool, ...]:
+        return tuple(index < self._next for index in range(self.num_buckets))
+
+    def pending(self, bucket: int) -> int:
+        """Contributions ``bucket`` still waits for this step."""
+        return self._pending[bucket]
+
+    # ---- internals ------------------------------------------------------------------
+    def _contribute(self, bucket: int, count: int) -> range:
+        self._pending[bucket] -= count
+        if self._pending[bucket] > 0 or self.learning:
+            return NOTHING
+        start = self._next
+        while self._next < self.num_buckets and self._pending[self._next] <= 0:
+            self._next += 1
+        return range(start, self._next)
+
+    def _check_open(self, bucket: int, slot: int) -> None:
+        if bucket < self._next:
+            raise LateGradient(
+                f"fxzero: param {self._label(slot)} received a gradient after bucket {bucket} was already "
+                "reduce-scattered in this step. Run every backward but the last inside `optimizer.no_sync()`, "
+                "or call `optimizer.step()`/`zero_grad()` between backwards."
+            )
+
+    def _arrived(self) -> None:
+        """Every gradient: at the first of a backward, count exactly the forwards this
+        backward executes and forget them (they deliver now)."""
+        self.written = True
+        task = self._engine.task_id()
+        if task == self._task or task == -1:
+            return
+        self._task = task
+        waiting = []
+        for forward in self._forwards:
+            node = forward.node()
+            runs = node is not None and self._engine.will_execute(node)
+            if runs != forward.counted:
+                self._adjust(forward.counts, 1 if runs else -1)
+                forward.counted = runs
+            if node is not None and not runs:
+                waiting.append(forward)
+        self._forwards = waiting
+
+    def _adjust(self, counts: Sequence[tuple[int, int]], sign: int) -> None:
+        for bucket, count in counts:
+            self._pending[bucket] += sign * count
