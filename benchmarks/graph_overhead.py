@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import fxzero
-import fxzero.backend
+from fxzero.graph_compiler import GraphCompiler
 
 
 class Block(nn.Module):
@@ -83,7 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.compiler.reset()
-    with mock.patch.object(fxzero.backend, "_GraphCompiler", wraps=fxzero.backend._GraphCompiler) as compiles:
+    with mock.patch.object(GraphCompiler, "__init__", autospec=True, side_effect=GraphCompiler.__init__) as compiles:
         configs = _configs(args.blocks)
         x = torch.randn(8, 16, 64)
         times: dict[str, list[float]] = {name: [] for name in configs}

@@ -15,7 +15,7 @@ import torch
 from expecttest import TestCase
 
 import fxzero
-import fxzero.backend
+import fxzero.graph_compiler
 from fxzero.backend import BackendOptions
 from fxzero.passes.bucket_reduce_scatter import BucketLaunch, ManagedParam, plan_launches
 from fxzero.passes.matchers import is_grads_ready
@@ -91,14 +91,14 @@ def _model() -> torch.nn.Module:
 
 def _capture_backward(cmodel: torch.nn.Module, x: torch.Tensor) -> list[torch.fx.GraphModule]:
     graphs: list[torch.fx.GraphModule] = []
-    original = fxzero.backend.run_backward_passes
+    original = fxzero.graph_compiler.run_backward_passes
 
     def capture(gm, example_inputs, **kwargs):  # type: ignore[no-untyped-def]
         gm = original(gm, example_inputs, **kwargs)
         graphs.append(gm)
         return gm
 
-    with mock.patch.object(fxzero.backend, "run_backward_passes", capture):
+    with mock.patch.object(fxzero.graph_compiler, "run_backward_passes", capture):
         cmodel(x).sum().backward()
     return graphs
 

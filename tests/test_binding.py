@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fxzero
-import fxzero.backend
+from fxzero.graph_compiler import GraphCompiler
 
 from models import GPT, GPTArgs, build, train_steps
 
@@ -89,7 +89,7 @@ def test_a_new_optimizer_takes_over_the_compiled_graphs() -> None:
     opt = _optimizer(model, 2000)
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     losses, expected = [], []
-    with mock.patch.object(fxzero.backend, "_GraphCompiler", wraps=fxzero.backend._GraphCompiler) as compiles:
+    with mock.patch.object(GraphCompiler, "__init__", autospec=True, side_effect=GraphCompiler.__init__) as compiles:
         for first, bucket_size in ((0, 2000), (2, 2000), (4, 5000)):
             if first:  # drop the optimizer; a fresh one (fresh AdamW state) over the same params
                 dropped = weakref.ref(opt)
@@ -149,7 +149,7 @@ def test_a_graph_reused_for_n_blocks_compiles_once() -> None:
     reference.load_state_dict(model.state_dict())
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, config=fxzero.Config(bucket_size=3000), module=model)
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
-    with mock.patch.object(fxzero.backend, "_GraphCompiler", wraps=fxzero.backend._GraphCompiler) as compiles:
+    with mock.patch.object(GraphCompiler, "__init__", autospec=True, side_effect=GraphCompiler.__init__) as compiles:
         losses = train_steps("gpt", cmodel, opt, range(3), 4)
     # GPT.forward graph-breaks in its loop: Dynamo compiles each module's forward; the
     # four blocks share one graph, so exactly one compile has a block's params

@@ -1,5 +1,6 @@
-"""The package's shape: no import cycles between fxzero's modules, and every private
-torch API (a ``torch._*`` name or module) used through ``fxzero/_torch_compat.py`` only."""
+"""The package's shape: no import cycles between fxzero's modules, no import from a room
+(a folder or top-level module of ``fxzero/``) to a higher one, and every private torch
+API (a ``torch._*`` name or module) used through ``fxzero/_torch_compat.py`` only."""
 
 from __future__ import annotations
 
@@ -97,6 +98,51 @@ def test_no_import_cycles_between_fxzero_modules() -> None:
 
 def test_cycle_finder_sees_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+LAYERS = (
+    ("_torch_compat", "config"),
+    ("optim",),  # the runtime's parts; defines the gather protocol
+    ("mxfp8",),  # implements it
+    ("distributed_optimizer", "ops"),  # assembles the parts (chooses the gather); the ops compiled graphs call
+    ("passes",),
+    ("dump",),
+    ("graph_compiler",),
+    ("backend",),
+    ("checkpoint", "testing", "target"),
+    ("explainer", "parity"),
+    ("cli", "fxzero"),
+    ("__main__",),
+)
+"""Rooms from the bottom up: a room imports only rooms of lower layers."""
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else parts[0]
+
+
+def _upward_imports(graph: dict[str, set[str]], layers: tuple[tuple[str, ...], ...]) -> list[str]:
+    level = {room: i for i, rooms in enumerate(layers) for room in rooms}
+    found = []
+    for module, targets in sorted(graph.items()):
+        for target in sorted(targets):
+            low, high = _room(target), _room(module)
+            if low != high and level[low] >= level[high]:
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_every_room_has_a_layer_and_no_import_goes_up() -> None:
+    graph = _import_graph()
+    placed = {room for rooms in LAYERS for room in rooms}
+    assert {_room(m) for m in graph} - placed == set(), "place the new room in LAYERS"
+    assert _upward_imports(graph, LAYERS) == []
+
+
+def test_upward_import_finder_sees_one() -> None:
+    graph = {"fxzero.optim.a": {"fxzero.mxfp8.b"}, "fxzero.mxfp8.b": {"fxzero.optim.c"}, "fxzero.optim.c": set()}
+    assert _upward_imports(graph, (("optim",), ("mxfp8",))) == ["fxzero.optim.a -> fxzero.mxfp8.b"]
 
 
 def _is_dotted_name(node: ast.expr) -> bool:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from expecttest import TestCase
 
 import fxzero
-import fxzero.backend
+import fxzero.graph_compiler
 from fxzero.optim.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
@@ -147,14 +147,14 @@ class TestRewrittenForward(TestCase):
         )
         self.assertEqual(len(opt.buckets), 2)
         graphs = []
-        original = fxzero.backend.run_forward_passes
+        original = fxzero.graph_compiler.run_forward_passes
 
         def capture(gm, example_inputs, **kwargs):  # type: ignore[no-untyped-def]
             graphs.append(original(gm, example_inputs, **kwargs))
             return graphs[-1]
 
         cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
-        with mock.patch.object(fxzero.backend, "run_forward_passes", capture):
+        with mock.patch.object(fxzero.graph_compiler, "run_forward_passes", capture):
             cmodel(torch.randn(5, 4)).sum().backward()
         code = "\n".join(l for l in graphs[0].code.strip().splitlines() if l.strip() and not l.strip().startswith("#"))
         self.assertExpectedInline(code, """\

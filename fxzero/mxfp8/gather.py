@@ -34,16 +34,15 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from ..optim.buffers import Bucket
+from ..optim.comm import DataParallelGroup
+from ..optim.param_sync import Gather
 from . import cast as mxfp8
-
-if TYPE_CHECKING:  # the optimizer builds this gather: no import back into fxzero.optim at run time
-    from ..optim.buffers import Bucket
-    from ..optim.comm import DataParallelGroup
 
 __all__ = ["Mxfp8Gather", "payload_bytes"]
 
@@ -88,7 +87,7 @@ class _BucketViews:
     """float32 ``[S/32, 1]`` scratch for the kept row's decoded scales."""
 
 
-class Mxfp8Gather:
+class Mxfp8Gather(Gather):
     """Per-bucket MXFP8 gathers for one optimizer (see the module docstring)."""
 
     needs_landing = True

@@ -1,0 +1,188 @@
+"""AOTAutograd's hooks for one Dynamo graph: fxzero's passes, then the inner compiler.
+
+Graph inputs that are params managed by a :class:`fxzero.DistributedOptimizer` are found
+by identity (``optimizer.bind(example_inputs)``). The joint graph gets the bucket launches
+(:mod:`fxzero.passes.bucket_reduce_scatter`), the forward the all-gather waits
+(:mod:`fxzero.passes.param_gather_wait`); then Inductor (or nothing, for ``"eager"``)
+compiles them. A :class:`GraphCompiler` keeps plain data (positions, plans) and, only
+when someone asked for one, a dump record: never an optimizer. At run time the ops find
+the optimizer through the params (:mod:`fxzero.optim.binding`).
+
+Each run of the compiled forward tells the owners how many gradients its backward will
+deliver per bucket, tied to its autograd node (:func:`~fxzero.optim.binding.counting_forward`,
+:mod:`fxzero.optim.ledger`). A managed param that has tensor hooks
+(``param.register_hook``) when its graph compiles keeps autograd's path in that graph's
+backward, so its hooks see the real gradient (the eager post-accumulate hook then moves
+it into ``main_grad``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Literal, Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from functorch.compile import default_partition, make_boxed_func
+
+from . import _torch_compat as compat
+from . import dump
+from .optim.binding import counting_forward, owner_of
+from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
+from .passes.bucket_reduce_scatter import ManagedParam
+from .passes.matchers import is_grads_ready
+from .passes.param_gather_wait import hoist_waits_above_readers, waited_params_returned
+
+__all__ = ["GraphCompiler", "managed_params"]
+
+log = logging.getLogger(__name__)
+
+_graph_ids = itertools.count()
+
+Passes = Callable[..., fx.GraphModule]
+
+
+class GraphCompiler:
+    """The passes and the inner compiler for one Dynamo graph (its ``example_inputs``)."""
+
+    def __init__(
+        self,
+        example_inputs: Sequence[Any],
+        managed: list[ManagedParam],
+        owners: int,
+        *,
+        inductor: Optional[compat.InductorCompilers],
+        dumper: Optional[dump.GraphDumper],
+    ) -> None:
+        self.num_inputs, self.managed, self.owners = len(example_inputs), managed, owners
+        self.inductor, self.dumper = inductor, dumper
+        self.id = next(_graph_ids)
+        self.delivered: frozenset[int] = frozenset()
+        """Forward input positions whose gradients the backward hands to fxzero."""
+
+    @classmethod
+    def for_graph(
+        cls,
+        gm: fx.GraphModule,
+        example_inputs: Sequence[Any],
+        *,
+        inner_compiler: Literal["inductor", "eager"],
+        dump_dir: Union[str, "os.PathLike[str]", None] = None,
+        recorder: Optional[dump.Recorder] = None,
+    ) -> "GraphCompiler":
+        """Find the managed params among ``example_inputs``; build a dumper only when a
+        dump directory, ``TORCH_TRACE``, the ``fxzero`` INFO log or a recorder wants one."""
+        owners, managed = managed_params(example_inputs)
+        if not managed:
+            _warn_if_unmanaged(example_inputs)
+        names = compat.dynamo_input_names(gm)
+        hooked = _hooked_positions(example_inputs, managed, names)
+        dumper = None
+        if recorder is not None or dump.resolve_dump_dir(dump_dir) is not None or compat.tracing() or dump.log.isEnabledFor(logging.INFO):
+            dumper = dump.GraphDumper(dump_dir, owners, managed, names, example_inputs, recorder)
+        inductor = compat.InductorCompilers(gm, len(example_inputs)) if inner_compiler == "inductor" else None
+        kept = [m for m in managed if m.position not in hooked]
+        return cls(example_inputs, kept, len(owners), inductor=inductor, dumper=dumper)
+
+    # ---- AOTAutograd's hooks ---------------------------------------------------------
+    def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
+        # AOTAutograd also partitions higher-order-op subgraphs with this function: only the
+        # graph whose primals are our inputs gets the launches.
+        primals = joint_inputs[0] if isinstance(joint_inputs, tuple) and len(joint_inputs) == 2 else ()
+        if len(primals) == self.num_inputs:
+            passes = functools.partial(run_joint_passes, managed=self.managed, num_fwd_outputs=kwargs["num_fwd_outputs"])
+            joint = self._run("joint", joint, joint_inputs, passes)
+            self.delivered = _delivered_positions(joint)
+        inner = compat.inductor_partition if self.inductor is not None else default_partition
+        return inner(joint, joint_inputs, **kwargs)
+
+    def forward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return self._forward_graph("forward", gm, example_inputs)
+
+    def inference(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        return self._forward_graph("inference", gm, example_inputs)
+
+    def backward(self, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        gm = self._run("backward", gm, example_inputs, run_backward_passes)
+        if self.inductor is None:
+            return make_boxed_func(gm.forward)
+        return self.inductor.backward(gm, example_inputs)
+
+    def counting(self, compiled: Callable) -> Callable:
+        """The compiled Dynamo graph, telling each owner after every run which gradients
+        the backward from its outputs will deliver."""
+        if not self.managed:
+            return compiled
+        groups = [tuple(m.position for m in self.managed if m.owner == o) for o in range(self.owners)]
+        return counting_forward(self.id, groups, lambda: self.delivered, compiled)
+
+    # ---- internals ---------------------------------------------------------------------
+    def _run(self, kind: str, gm: fx.GraphModule, example_inputs: Any, passes: Passes) -> fx.GraphModule:
+        if self.dumper is None:
+            return passes(gm, example_inputs)
+        return self.dumper.around(kind, gm, lambda g, observe: passes(g, example_inputs, observe=observe))
+
+    def _forward_graph(self, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        gm = self._run(kind, gm, example_inputs, functools.partial(run_forward_passes, managed=self.managed))
+        if self.inductor is None:
+            return make_boxed_func(gm.forward)
+        # Inductor's own FX rewrites run after fxzero's passes: the last of them puts any
+        # param read they moved above its bucket's wait back below it. The params the
+        # forward returns for the backward are returned as they are (no layout copy made
+        # at the graph's start, before the waits: see compat.InductorCompilers).
+        keep = waited_params_returned(gm)
+        with compat.inductor_post_grad_pass(hoist_waits_above_readers, _pass_uuid()):
+            return self.inductor.forward(gm, example_inputs, is_inference=kind == "inference", keep_outputs=keep)
+
+
+def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam]]:
+    """The optimizers owning params among ``example_inputs`` (first appearance first) and
+    those params, as each optimizer's ``bind`` describes them."""
+    owners: list[Any] = []
+    for value in example_inputs:
+        owner = owner_of(value)
+        if owner is not None and all(owner is not o for o in owners):
+            owners.append(owner)
+    managed = [
+        ManagedParam(position, index, bucket, example_inputs[position].numel())
+        for index, owner in enumerate(owners)
+        for position, bucket in zip(*dataclasses.astuple(owner.bind(example_inputs)))
+    ]
+    return owners, sorted(managed, key=lambda m: m.position)
+
+
+def _hooked_positions(example_inputs: Sequence[Any], managed: Sequence[ManagedParam], names: Sequence[str]) -> set[int]:
+    """Managed params with tensor hooks: their gradients keep autograd's path, so the hooks see them."""
+    hooked = {m.position for m in managed if example_inputs[m.position]._backward_hooks}
+    for position in sorted(hooked):
+        log.info("param %s has tensor hooks: its gradient takes autograd's path so they see it", names[position])
+    return hooked
+
+
+def _warn_if_unmanaged(example_inputs: Sequence[Any]) -> None:
+    if any(isinstance(x, torch.nn.Parameter) and x.requires_grad for x in example_inputs):
+        warnings.warn(
+            "fxzero: this compiled graph's trainable params are not managed by any fxzero.DistributedOptimizer; "
+            "it compiles and trains as plain torch.compile (gradients go to param.grad)",
+            stacklevel=4,
+        )
+
+
+def _delivered_positions(joint: fx.GraphModule) -> frozenset[int]:
+    """Positions of the params whose gradients the joint graph's launches take."""
+    primals = [n for n in joint.graph.nodes if n.op == "placeholder"]
+    index = {node: i for i, node in enumerate(primals)}
+    return frozenset(index[p] for n in joint.graph.nodes if is_grads_ready(n) for p in n.args[1])
+
+
+@functools.lru_cache(maxsize=None)
+def _pass_uuid() -> bytes:
+    """Keys Inductor's FX graph cache to the post-grad pass's source."""
+    return hashlib.sha256(Path(param_gather_wait.__file__).read_bytes()).digest()
