@@ -2,7 +2,7 @@
 
 A step has three communication phases, all on buffers laid out once at construction:
 
-1. **reduce-scatter** (started during backward by :class:`~fxzero.optim.grad_sync.GradSync`,
+1. **reduce-scatter** (launched during backward when :class:`~fxzero.optim.ledger.Ledger` says a bucket is ready,
    finished at the top of :meth:`DistributedOptimizer.step`): each bucket's ``grad_data``
    is averaged over ranks into this rank's pre-made shard view of it;
 2. **shard update**: one small all-reduce carries each param's squared grad norm over
