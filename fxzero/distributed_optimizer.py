@@ -48,7 +48,7 @@ import torch.distributed as dist
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.binding import GraphBinding, InputBinding
-from .optim.buffers import ParamAndGradBuffer, build_buffers
+from .optim.buffers import build_buffers
 from .optim.comm import DataParallelGroup
 from .optim.grad_sync import GradReductions, GradSync
 from .optim.grad_views import GradViews, grad_scaler_state
@@ -60,7 +60,7 @@ from .optim.param_table import ParamTable, param_names
 from .optim.param_watch import ParamWatch
 from .optim.reduced_grads import ReducedGrads
 from .optim.shards import FragmentTensor, build_shards
-from .optim.state_dict import STATE_FORMAT, check_state_dict
+from .optim.state_dict import STATE_FORMAT, check_state_dict, hyperparameters, layout_key
 from .optim.validation import check_first_order, check_group_keys, check_leaves, check_managed_params
 from .optim.validation import check_optimizer_kwargs, layout_order
 
@@ -197,7 +197,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return Mxfp8Gather(self.buckets, self.dp, reuse_grad_buffer=self.config.reuse_grad_buf_for_mxfp8_param_ag)
 
     def _build_local_optimizer(self) -> torch.optim.Optimizer:
-        local_groups = [_hyperparameters(group) | {"params": []} for group in self.param_groups]
+        local_groups = [hyperparameters(group) | {"params": []} for group in self.param_groups]
         for frag in self.fragments:
             local_groups[self.param_table.rows[frag.slot].group]["params"].append(frag.param)
         return self.optimizer_class(local_groups, **self._kwargs)
@@ -248,7 +248,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not math.isfinite(norm):
             return StepResult(skipped=True, grad_norm=norm, loss=loss, reason="non_finite")
         grads.apply(self._clip_coefficient(norm) / grad_scale)
-        self._sync_hyperparameters()
+        self._synchyperparameters()
         with grads.hidden(absent):
             self.local.step()
         self._publish_and_gather()
@@ -266,7 +266,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the norm before clipping. Call it between backward and :meth:`step`."""
         return torch.tensor(self.reduced.clip(float(max_norm), float(norm_type)), dtype=torch.float32)
 
-    def _sync_hyperparameters(self) -> None:
+    def _synchyperparameters(self) -> None:
         """Copy (possibly scheduler-edited) hyperparameters to the wrapped optimizer."""
         for group, local in zip(self.param_groups, self.local.param_groups):
             for name in self.defaults:
@@ -325,14 +325,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "format": STATE_FORMAT,
             "world_size": self.dp.size,
             "rank": self.dp.rank,
-            "layout": self._layout_key(),
-            "param_groups": [_hyperparameters(g) for g in self.param_groups],
+            "layout": layout_key(self.buffers),
+            "param_groups": [hyperparameters(g) for g in self.param_groups],
             "local": self.local.state_dict(),
             "main_shards": [s.main for s in self.shards if not s.main_is_param],
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        check_state_dict(state_dict, self.dp, self._layout_key(), len(self.param_groups))
+        check_state_dict(state_dict, self.dp, layout_key(self.buffers), len(self.param_groups))
         with self.replacing_state():
             self.local.load_state_dict(state_dict["local"])
             for group, saved in zip(self.param_groups, state_dict["param_groups"]):
@@ -367,11 +367,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         index_of = {id(p): i for i, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
         loaded = {index_of[id(f.param)]: state for f, state in zip(self.fragments, states) if state}
         self.local.load_state_dict({"state": loaded, "param_groups": self.local.state_dict()["param_groups"]})
-
-    def _layout_key(self) -> list[tuple[str, int, list[tuple[int, int]]]]:
-        return [
-            (str(b.param_dtype), b.plan.numel, [(s.start, s.end) for s in b.plan.buckets]) for b in self.buffers
-        ]
 
     @property
     def runtime_bytes(self) -> int:
@@ -415,6 +410,3 @@ def _remove_handles(handles: list[Any]) -> None:
     for handle in handles:
         handle.remove()
 
-
-def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}

@@ -83,6 +83,9 @@ class _Group:
     """Their positions in the call's lists; None when the call's params are all in this bucket."""
     main_grads: list[torch.Tensor]
     slots: torch.Tensor
+    span: Optional[slice]
+    """``slice(first, last + 1)`` when the slots are consecutive (marked present by one
+    memcpy into the ledger's flags; otherwise one ``index_fill_``)."""
 
 
 def identity(params: Sequence[Any]) -> tuple[int, ...]:
@@ -145,22 +148,21 @@ class GraphBinding:
             groups = self._grad_groups[key] = self._grad_groups_of(params)
         for group in groups:
             mine = grads if group.indices is None else [grads[i] for i in group.indices]
-            self.grad_sync.add_compiled(group.bucket, group.main_grads, mine, group.slots)
+            self.grad_sync.add_compiled(group.bucket, group.main_grads, mine, group.slots, group.span)
 
     def _grad_groups_of(self, params: Sequence[torch.Tensor]) -> tuple[_Group, ...]:
         by_bucket: dict[int, list[int]] = {}
         for i, param in enumerate(params):
             by_bucket.setdefault(self._bucket(param), []).append(i)
         whole = len(by_bucket) == 1
-        return tuple(
-            _Group(
-                bucket,
-                None if whole else tuple(indices),
-                [params[i].main_grad for i in indices],
-                torch.tensor([self._slot(params[i]) for i in indices], dtype=torch.int64),
-            )
-            for bucket, indices in sorted(by_bucket.items())
-        )
+        groups = []
+        for bucket, indices in sorted(by_bucket.items()):
+            slots = [self._slot(params[i]) for i in indices]
+            consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
+            span = slice(slots[0], slots[0] + len(slots)) if consecutive else None
+            main_grads = [params[i].main_grad for i in indices]
+            groups.append(_Group(bucket, None if whole else tuple(indices), main_grads, torch.tensor(slots), span))
+        return tuple(groups)
 
     # ---- fxzero::wait_params --------------------------------------------------------
     def wait(self, params: Sequence[torch.Tensor]) -> None:

@@ -129,6 +129,7 @@ class GradSync:
         self._before_grad_write, self._after_backward = before_grad_write, after_backward
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
+        self._ones = memoryview(b"\x01" * len(self.params))  # sliced without a copy
 
     # ---- eager path -------------------------------------------------------------
     def install_hooks(self) -> None:
@@ -156,13 +157,18 @@ class GradSync:
         self._hooks.clear()
 
     # ---- compiled path ----------------------------------------------------------
-    def add_compiled(self, bucket: int, main_grads: list[torch.Tensor], grads: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
-        """Add a compiled backward's ``grads`` of params ``slots`` (all in ``bucket``) into
-        their ``main_grads`` and report them."""
+    def add_compiled(
+        self, bucket: int, main_grads: list[torch.Tensor], grads: Sequence[torch.Tensor], slots: torch.Tensor, span: Optional[slice]
+    ) -> None:
+        """Add a compiled backward's ``grads`` of params ``slots`` (all in ``bucket``;
+        ``span`` when they are consecutive) into their ``main_grads`` and report them."""
         if self._before_grad_write is not None:
             self._before_grad_write(bucket)
         foreach_add_(main_grads, grads)
-        self.ledger.presence_tensor.index_fill_(0, slots, 1)
+        if span is not None:
+            self.ledger.presence[span] = self._ones[: span.stop - span.start]
+        else:
+            self.ledger.presence_tensor.index_fill_(0, slots, 1)
         self._launch(self.ledger.compiled_grads(bucket, len(main_grads), slots))
 
     # ---- launches ---------------------------------------------------------------

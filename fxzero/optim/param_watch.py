@@ -64,6 +64,9 @@ class ParamWatch:
 
     def check(self) -> None:
         """Raise if a param was moved, cast or rebound, or got tensor hooks too late."""
+        # one C-level pass each in the common case; the loop below only names the culprit
+        if list(map(torch.Tensor.data_ptr, self.params)) == self._pointers and not any(map(_hooks, self.params)):
+            return
         for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
             if param.data_ptr() != pointer:
                 raise RuntimeError(_moved_message(self.table.label(slot), param))
@@ -93,6 +96,10 @@ def _words(values: torch.Tensor) -> torch.Tensor:
         except RuntimeError:
             continue
     return values.view(torch.uint8)
+
+
+def _hooks(param: torch.Tensor) -> bool:
+    return bool(param._backward_hooks)
 
 
 def _moved_message(label: str, param: torch.Tensor) -> str:

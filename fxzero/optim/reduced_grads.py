@@ -62,7 +62,7 @@ class ReducedGrads:
     def reset(self) -> None:
         """The gradients were consumed or zeroed: nothing finished, measured or scaled."""
         self._finished = False
-        self._got: list[bool] = []
+        self._got: list[float] = []
         self._squares: list[float] = []
         if self._scaled:
             self._scale = [1.0] * self.num_params
@@ -92,7 +92,7 @@ class ReducedGrads:
             stats[n:].index_add_(0, self._slots, squares)
         self.dp.all_reduce_sum(stats)
         values = stats.tolist()
-        self._got, self._squares = [v > 0 for v in values[:n]], values[n:]
+        self._got, self._squares = values[:n], values[n:]  # got: a count of ranks, 0.0 for none
 
     # ---- reads -------------------------------------------------------------------
     def norms(self, slots: Sequence[int], ord: float = 2.0) -> list[float]:
@@ -133,6 +133,8 @@ class ReducedGrads:
     def absent(self, dropped: Iterable[int] = ()) -> list[int]:
         """Params that got no gradient on any rank, plus ``dropped``."""
         self._measure()
+        if not dropped and 0.0 not in self._got:  # the common case, one C-level scan
+            return []
         skip = set(dropped)
         return [s for s, got in enumerate(self._got) if not got or s in skip]
 

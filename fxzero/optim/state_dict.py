@@ -3,11 +3,12 @@ resume at the same world size and layout (``fxzero.save_checkpoint`` resumes at 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
+from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
 
-__all__ = ["STATE_FORMAT", "check_state_dict"]
+__all__ = ["STATE_FORMAT", "check_state_dict", "hyperparameters", "layout_key"]
 
 STATE_FORMAT = "fxzero.DistributedOptimizer/1"
 
@@ -30,3 +31,13 @@ def check_state_dict(state_dict: Any, dp: DataParallelGroup, layout: list[Any], 
         raise ValueError(
             f"load_state_dict: {len(state_dict['param_groups'])} saved param groups, optimizer has {num_groups}"
         )
+
+
+def layout_key(buffers: Sequence[ParamAndGradBuffer]) -> list[tuple[str, int, list[tuple[int, int]]]]:
+    """What a same-world-size resume must find unchanged: each buffer's dtype, size and bucket bounds."""
+    return [(str(b.param_dtype), b.plan.numel, [(s.start, s.end) for s in b.plan.buckets]) for b in buffers]
+
+
+def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group without its params (and their names)."""
+    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
