@@ -138,7 +138,7 @@ def _rows(results: dict, paired: dict, reference: list[float]) -> tuple[list[lis
     rows = []
     for config, res in results.items():
         if isinstance(res, str):
-            rows.append([config, f"FAILED: {res}"] + [""] * 11)
+            rows.append([config, f"FAILED: {res}"] + [""] * 10)
             continue
         ms, alone = paired.get(config, {}).get("ms"), _alone_median(res)
         timing = [f"{medians[config]:.1f}", f"{_quantile(ms, 0.1):.1f}-{_quantile(ms, 0.9):.1f}"] if ms else ["n/a", ""]
@@ -186,7 +186,7 @@ def _targets(results: dict, paired: dict, medians: dict, world: int) -> None:
     fx = results["fxzero"]
     comp = {k: max(r["compile"].get(k, 0.0) for r in fx) for k in ("passes", "inductor")}
     share = comp["passes"] / max(1e-9, comp["inductor"])
-    print(f"fxzero passes: {1e3 * comp['passes']:.1f} ms vs {1e3 * comp['inductor']:.0f} ms in Inductor's compile_fx_inner "
+    print(f"fxzero passes: {1e3 * comp['passes']:.1f} ms vs {1e3 * comp['inductor']:.0f} ms in Inductor's compilers "
           f"= +{share:.2%} compile time (target < 10%): {verdict(share < 0.10)}")
     for config, p in paired.items():  # stepping in turn must not change what a config computes
         alone, turn = results[config][0]["losses"][PARITY_STEP - 1], p["losses"][PARITY_STEP - 1]
@@ -207,20 +207,31 @@ def _overlap_room(fx: list[dict], world: int) -> None:
     print(f"\n(over {len(fx[0]['rooms'])} timed steps x {world} ranks; ~0% = launched at the end of backward: no overlap.)")
 
 
-def _plot(rows: list[list[str]], path: str) -> None:
+def _plot(rows: list[list[str]], headers: list[str], path: str) -> None:
+    """Step time (left); per rank, optimizer state and peak RSS as two bars side by side (right)."""
     plt = plotting.pyplot(path)
     if plt is None:
         return
+    col = {name: headers.index(name) for name in ("median ms", "opt state MiB/rank", "peak RSS MiB/rank")}
     ok = [r for r in rows if not r[1].startswith("FAILED")]
-    names = [r[0] for r in ok]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax1.barh(names, [float(r[1]) for r in ok], color="tab:blue")
-    ax1.set_xlabel("median step time (ms)")
-    ax2.barh(names, [float(r[6]) for r in ok], color="tab:orange", label="peak RSS")
-    ax2.barh(names, [float(r[5]) for r in ok], color="tab:green", label="optimizer state")
-    ax2.set_xlabel("MiB per rank")
-    ax2.legend()
+    names, y = [r[0] for r in ok], list(range(len(ok)))
+    value = lambda r, name: float(r[col[name]]) if r[col[name]] != "n/a" else float("nan")  # noqa: E731
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.6 * len(ok) + 1.6))
+    ax1.barh(y, [value(r, "median ms") for r in ok], color="tab:blue")
+    ax1.set_xlabel("median step time (ms; configs stepping in turn)")
+    h = 0.4
+    bars = (("peak RSS MiB/rank", -h / 2, "tab:orange", "peak RSS: the whole process, optimizer state included"),
+            ("opt state MiB/rank", h / 2, "tab:green", "optimizer state held by the rank (AdamW moments)"))
+    for name, offset, color, label in bars:
+        values = [value(r, name) for r in ok]
+        drawn = ax2.barh([i + offset for i in y], values, height=h, color=color, label=label)
+        text = [f"{v:.0f}" if name.startswith("peak") else f"{v:.2f}" if v else "0 (no optimizer)" for v in values]
+        ax2.bar_label(drawn, labels=text, padding=3, fontsize=8)
+    ax2.set_xlabel("MiB per rank (max over ranks)")
+    ax2.set_xlim(0, 1.15 * max(value(r, "peak RSS MiB/rank") for r in ok))
+    ax2.legend(loc="lower left", bbox_to_anchor=(0, 1.01), fontsize=8, frameon=False)  # above the bars, not on them
     for ax in (ax1, ax2):
+        ax.set_yticks(y, names)
         ax.invert_yaxis()
     plotting.save(fig, path)
 
@@ -252,7 +263,7 @@ def main() -> None:
           f"AdamW on the same global batches, {reference[-1]:.5f}. 1st-step extra: step 1 minus the "
           "alone median, mostly compile. MiB comm: collective payloads of rank 0 in one step. Peak RSS: whole process.)")
     _targets(results, paired, medians, args.world)
-    _plot(rows, args.png)
+    _plot(rows, headers, args.png)
 
 
 if __name__ == "__main__":

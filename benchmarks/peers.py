@@ -23,8 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E402
 
 import fxzero  # noqa: E402
-import fxzero.backend  # noqa: E402
-from fxzero.optim.grad_sync import GradSync  # noqa: E402
+import fxzero.graph_compiler  # noqa: E402
+from fxzero._torch_compat import InductorCompilers  # noqa: E402
+from fxzero.optim.grad_sync import GradReductions  # noqa: E402
 
 LR, BETAS, PER_RANK = 2e-3, (0.9, 0.95), 8
 CONFIGS = ("fxzero", "fxzero eager-inner", "DDP eager", "DDP + compile", "DDP + ZeRO", "FSDP2", "FSDP2 + compile", "limit")
@@ -169,11 +170,21 @@ def _timer(acc: dict, key: str):
 
 
 def _instrument_fxzero(stack: contextlib.ExitStack, out: dict, launches: list) -> None:
-    """Time fxzero's passes vs Inductor's compile_fx_inner; record reduce-scatter launch times."""
-    for name, key in (("run_forward_passes", "passes"), ("run_backward_passes", "passes"), ("_inner_compile", "inductor")):
-        stack.enter_context(_patched(fxzero.backend, name, _timer(out["compile"], key)))
-    record = lambda launch: lambda sync, i: launches.append((i, time.perf_counter())) or launch(sync, i)  # noqa: E731
-    stack.enter_context(_patched(GradSync, "_launch", record))
+    """Time fxzero's passes vs Inductor's compilers; record reduce-scatter launch times."""
+    for name in ("run_joint_passes", "run_forward_passes", "run_backward_passes"):
+        stack.enter_context(_patched(fxzero.graph_compiler, name, _timer(out["compile"], "passes")))
+    for name in ("forward", "backward"):
+        stack.enter_context(_patched(InductorCompilers, name, _timer(out["compile"], "inductor")))
+
+    def record(launch):
+        def timed(reductions, indices):
+            now = time.perf_counter()
+            launches.extend((index, now) for index in indices)
+            return launch(reductions, indices)
+
+        return timed
+
+    stack.enter_context(_patched(GradReductions, "launch", record))
 
 
 def prewarm() -> None:

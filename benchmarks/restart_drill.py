@@ -6,9 +6,10 @@ and the job ends where an uninterrupted one does.
 Runs examples/train_gpt.py twice at once, each on 2 gloo ranks with --ckpt-dir/--ckpt-every:
 
 * uninterrupted;
-* under ``torchrun --max-restarts=1`` with ``FXZERO_EXAMPLE_KILL_AT_STEP``: the last rank
-  kills itself (SIGKILL) at that step; the other rank's pending collective fails with a
-  CollectiveError, torchrun restarts both, and they resume from the latest checkpoint.
+* under ``torchrun --max-restarts=1``, through ``benchmarks/restart_drill_worker.py --kill-at N``
+  (train_gpt.py with its step wrapped): the last rank kills itself (SIGKILL) at step N; the other
+  rank's pending collective fails with a CollectiveError, torchrun restarts both, and they
+  resume from the latest checkpoint (the restarted attempt kills nothing).
 
 Then it compares every logged loss after the resume point and every tensor of the two final
 checkpoints (model params, fp32 masters, AdamW moments and steps). Exit status 0 when they
@@ -44,12 +45,13 @@ def start_job(ckpt_dir: Path, args: argparse.Namespace, kill_at: int | None) -> 
     # can beat the survivor's own CollectiveError (~0.1 s after the kill), which this drill
     # checks for, so the killed job's agent looks every 3 s instead.
     cmd += ["--max-restarts", "1", "--monitor-interval", "3"] if kill_at else []
-    cmd += [str(REPO / "examples" / "train_gpt.py"), "--steps", str(args.steps), "--log-every", "1", *MODEL]
+    if kill_at:  # train_gpt.py whose last rank SIGKILLs itself at step kill_at, on the first attempt
+        cmd += [str(REPO / "benchmarks" / "restart_drill_worker.py"), "--kill-at", str(kill_at)]
+    else:
+        cmd += [str(REPO / "examples" / "train_gpt.py")]
+    cmd += ["--steps", str(args.steps), "--log-every", "1", *MODEL]
     cmd += ["--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(args.ckpt_every), "--compile", args.compile]
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    env.pop("FXZERO_EXAMPLE_KILL_AT_STEP", None)
-    if kill_at:
-        env["FXZERO_EXAMPLE_KILL_AT_STEP"] = str(kill_at)
     return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

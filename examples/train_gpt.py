@@ -14,11 +14,11 @@ import contextlib
 import math
 import os
 import resource
-import signal
 import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -139,7 +139,8 @@ def reduce(value, op, device):
     return t.item()
 
 
-def main():
+# ---- the run: arguments, process group, model and optimizer ----------------------------
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=150)
     p.add_argument("--global-batch", type=int, default=16, help="sequences per step, over all ranks")
@@ -158,10 +159,12 @@ def main():
     p.add_argument("--data", default=None, help="a text file (default: the stdlib's .py files)")
     p.add_argument("--ckpt-dir", default=None, help="resume from the latest checkpoint here; save into it")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
-    args = p.parse_args()
-    t_start = time.perf_counter()
+    return p
 
-    if "WORLD_SIZE" in os.environ:  # launched by torchrun
+
+def init_distributed():
+    """(rank, world, device): a process group when launched by torchrun, else rank 0 of 1."""
+    if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend="nccl" if torch.cuda.is_available() else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     if torch.cuda.is_available():
@@ -170,77 +173,111 @@ def main():
     else:
         device = torch.device("cpu")
         torch.set_num_threads(max(1, os.cpu_count() // world))
-    if args.global_batch % (world * args.accum):
-        p.error(f"--global-batch {args.global_batch} must be divisible by world * accum = {world * args.accum}")
+    return rank, world, device
 
-    data = torch.frombuffer(bytearray(load_bytes(args.data)), dtype=torch.uint8).long()
-    split = int(0.9 * len(data))
-    train_data, val_data = data[:split], data[split:]
 
-    torch.manual_seed(0)  # same init on every rank
-    model_args = ModelArgs(block_size=args.seq, dim=args.dim, n_layer=args.layers, n_head=args.heads)
-    model = Transformer(model_args).to(device)
+@dataclass
+class Job:
+    """What one rank trains with."""
+    args: argparse.Namespace
+    rank: int
+    world: int
+    device: torch.device
+    model: Transformer  # the module: checkpoints and validation
+    train_model: nn.Module  # what the training steps call: the model, compiled unless --compile none
+    opt: fxzero.DistributedOptimizer
+    train_data: torch.Tensor
+    val_data: torch.Tensor
+    log: Callable[..., None]  # prints on rank 0 only
+
+
+def build_optimizer(model, args):
     params = list(model.parameters())  # the tied embedding/head weight appears once
-    n_params = sum(p.numel() for p in params)
     groups = [  # weight decay on matrices (and the embedding) only
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
-    opt = fxzero.DistributedOptimizer(
+    return fxzero.DistributedOptimizer(
         groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), process_group=None,
         config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0, overlap_param_gather=not args.no_prefetch,
                              mxfp8_param_gather=args.mxfp8, reuse_grad_buf_for_mxfp8_param_ag=args.mxfp8),
         module=model,  # lay buckets out in registration order (the groups split the model)
     )
+
+
+def build_job(args, rank, world, device):
+    data = torch.frombuffer(bytearray(load_bytes(args.data)), dtype=torch.uint8).long()
+    split = int(0.9 * len(data))
+    torch.manual_seed(0)  # same init on every rank
+    model_args = ModelArgs(block_size=args.seq, dim=args.dim, n_layer=args.layers, n_head=args.heads)
+    model = Transformer(model_args).to(device)
+    opt = build_optimizer(model, args)
     train_model = model  # fxzero's passes put each bucket's reduce-scatter and all-gather wait into the graphs
     if args.compile != "none":
         train_model = torch.compile(model, backend="fxzero", options={"inner_compiler": args.compile})
-
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    log(f"fxzero GPT: {n_params:,} params, {len(opt.buckets)} buckets, world {world}, {device.type}, "
-        f"{len(train_data):,} train / {len(val_data):,} val bytes")
-    micro = args.global_batch // world // args.accum
+    return Job(args, rank, world, device, model, train_model, opt, data[:split], data[split:], log)
+
+
+# ---- training ---------------------------------------------------------------------------
+def train_step(job, step, loss_sum):
+    """One optimizer step on global batch `step`; adds its loss (this rank's mean) to loss_sum."""
+    args, opt = job.args, job.opt
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, args)
+    x, y = get_batch(job.train_data, step, args, job.rank, job.world, job.device)
+    micro = args.global_batch // job.world // args.accum
+    for i in range(args.accum):
+        # All but the last microbatch only accumulate into main_grad; the last
+        # backward launches each bucket's reduce-scatter as soon as its grads are in.
+        with opt.no_sync() if i < args.accum - 1 else contextlib.nullcontext():
+            loss = job.train_model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / args.accum
+            loss.backward()
+        loss_sum += loss.detach()
+    result = opt.step()  # finish reduce-scatters, AdamW on this rank's shard, all-gather
+    opt.zero_grad()
+    return result
+
+
+def train(job):
+    """Steps from the first one not checkpointed to --steps: (logged mean losses, skipped steps, first logged ms/step)."""
+    args, device = job.args, job.device
     tokens_per_step = args.global_batch * args.seq
     losses, skipped, first_ms = [], 0, 0.0
     loss_sum, n_sum, t_last = torch.zeros((), device=device), 0, time.perf_counter()
-    first_step = resume(args.ckpt_dir, model, opt, log)
-    for step in range(first_step, args.steps + 1):
-        die_if_asked(step, rank, world)
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, args)
-        x, y = get_batch(train_data, step, args, rank, world, device)
-        for i in range(args.accum):
-            # All but the last microbatch only accumulate into main_grad; the last
-            # backward launches each bucket's reduce-scatter as soon as its grads are in.
-            with opt.no_sync() if i < args.accum - 1 else contextlib.nullcontext():
-                loss = train_model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / args.accum
-                loss.backward()
-            loss_sum += loss.detach()
-        result = opt.step()  # finish reduce-scatters, AdamW on this rank's shard, all-gather
-        opt.zero_grad()
+    for step in range(resume(args.ckpt_dir, job.model, job.opt, job.log), args.steps + 1):
+        skipped += train_step(job, step, loss_sum).skipped
         if args.ckpt_dir and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
-            fxzero.save_checkpoint(args.ckpt_dir, model, opt, step=step)  # every rank writes its shard
-        skipped += result.skipped
+            fxzero.save_checkpoint(args.ckpt_dir, job.model, job.opt, step=step)  # every rank writes its shard
         n_sum += 1
         if step == 1 or step % args.log_every == 0 or step == args.steps:
-            mean_loss = reduce(loss_sum, dist.ReduceOp.SUM, device) / (world * n_sum)  # one scalar all-reduce
+            mean_loss = reduce(loss_sum, dist.ReduceOp.SUM, device) / (job.world * n_sum)  # one scalar all-reduce
             now = time.perf_counter()
             ms = 1000 * (now - t_last) / n_sum
             losses.append(mean_loss)
-            log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:4.0f} ms/step | {tokens_per_step / ms * 1000:,.0f} tok/s")
+            job.log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:4.0f} ms/step | {tokens_per_step / ms * 1000:,.0f} tok/s")
             first_ms = first_ms or ms  # the first step compiles
             loss_sum.zero_()
             n_sum, t_last = 0, now
+    return losses, skipped, first_ms
 
-    # Validation: non-overlapping windows of the held-out 10%, split over ranks.
-    model.eval()
-    val_starts = torch.arange(0, len(val_data) - args.seq - 1, args.seq)[:256]
+
+def validate(job):
+    """Mean loss over non-overlapping windows of the held-out 10%, split over ranks."""
+    job.model.eval()
+    seq, val_data = job.args.seq, job.val_data
+    val_starts = torch.arange(0, len(val_data) - seq - 1, seq)[:256]
     val_sum = 0.0
     with torch.no_grad():
-        for chunk in val_starts[rank::world].split(32):
-            val_sum += model(*windows(val_data, chunk, args.seq, device)).item() * len(chunk)
-    val_loss = reduce(val_sum, dist.ReduceOp.SUM, device) / len(val_starts)
+        for chunk in val_starts[job.rank :: job.world].split(32):
+            val_sum += job.model(*windows(val_data, chunk, seq, job.device)).item() * len(chunk)
+    return reduce(val_sum, dist.ReduceOp.SUM, job.device) / len(val_starts)
 
+
+# ---- the summary table ------------------------------------------------------------------
+def summary(job, losses, val_loss, skipped, first_ms, t_start):
+    args, opt, device, world = job.args, job.opt, job.device, job.world
+    n_params = sum(p.numel() for p in job.model.parameters())
     on_gpu = device.type == "cuda"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
     peak = reduce(torch.cuda.max_memory_allocated(device) if on_gpu else rss, dist.ReduceOp.MAX, device)
@@ -261,16 +298,14 @@ def main():
         ("optimizer state / rank (max)", f"{state / 2**20:.2f} MiB (plain AdamW: {8 * n_params / 2**20:.2f} MiB)"),
         ("peak memory / rank (max)", f"{peak / 2**20:.0f} MiB ({'cuda allocated' if on_gpu else 'max RSS'})"),
         ("skipped steps", skipped),
-        ("steps × tokens/step", f"{args.steps} × {tokens_per_step:,}"),
+        ("steps × tokens/step", f"{args.steps} × {args.global_batch * args.seq:,}"),
         ("first step (compiles)", f"{first_ms / 1000:.1f} s"),
         ("wall time", f"{time.perf_counter() - t_start:.1f} s"),
     ]
-    log(tabulate(rows, headers=["", "value"], tablefmt="github"))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    return tabulate(rows, headers=["", "value"], tablefmt="github")
 
 
-# ---- checkpoints and the restart drill -------------------------------------------------
+# ---- checkpoints ------------------------------------------------------------------------
 def resume(ckpt_dir, model, opt, log):
     """The first step to run: 1, or the one after the latest checkpoint in ckpt_dir (saved at
     any world size). Batches and the LR are pure functions of the step, so a resumed run
@@ -283,13 +318,22 @@ def resume(ckpt_dir, model, opt, log):
     return step + 1
 
 
-def die_if_asked(step, rank, world):
-    """FXZERO_EXAMPLE_KILL_AT_STEP=N: the last rank SIGKILLs itself at step N, on torchrun's
-    first attempt only (benchmarks/restart_drill.py, tests/test_checkpoint.py)."""
-    kill_at = os.environ.get("FXZERO_EXAMPLE_KILL_AT_STEP")
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    if kill_at and int(kill_at) == step and first_attempt and rank == world - 1:
-        os.kill(os.getpid(), signal.SIGKILL)
+def main():
+    parser = build_parser()
+    args = parser.parse_args()
+    t_start = time.perf_counter()
+    rank, world, device = init_distributed()
+    if args.global_batch % (world * args.accum):
+        parser.error(f"--global-batch {args.global_batch} must be divisible by world * accum = {world * args.accum}")
+    job = build_job(args, rank, world, device)
+    n_params = sum(p.numel() for p in job.model.parameters())
+    job.log(f"fxzero GPT: {n_params:,} params, {len(job.opt.buckets)} buckets, world {world}, {device.type}, "
+            f"{len(job.train_data):,} train / {len(job.val_data):,} val bytes")
+    losses, skipped, first_ms = train(job)
+    val_loss = validate(job)
+    job.log(summary(job, losses, val_loss, skipped, first_ms, t_start))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
