@@ -143,6 +143,7 @@ def test_batchnorm_in_train_mode_is_not_comparable_rather_than_a_false_fail() ->
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the caller's model is untouched
 
 
+@pytest.mark.slow  # Inductor compiles for 2 ranks and the reference: ~16 s on a cold cache
 def test_clean_gpt_passes_under_inductor_as_the_readme_shows(capsys: pytest.CaptureFixture[str]) -> None:
     """The README's example run, repeated: same setup lines, same checks, PASS."""
     command = "python -m fxzero parity examples/parity_gpt.py --world-size 2"
