@@ -248,7 +248,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not math.isfinite(norm):
             return StepResult(skipped=True, grad_norm=norm, loss=loss, reason="non_finite")
         grads.apply(self._clip_coefficient(norm) / grad_scale)
-        self._synchyperparameters()
+        self._sync_hyperparameters()
         with grads.hidden(absent):
             self.local.step()
         self._publish_and_gather()
@@ -266,7 +266,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         the norm before clipping. Call it between backward and :meth:`step`."""
         return torch.tensor(self.reduced.clip(float(max_norm), float(norm_type)), dtype=torch.float32)
 
-    def _synchyperparameters(self) -> None:
+    def _sync_hyperparameters(self) -> None:
         """Copy (possibly scheduler-edited) hyperparameters to the wrapped optimizer."""
         for group, local in zip(self.param_groups, self.local.param_groups):
             for name in self.defaults:
