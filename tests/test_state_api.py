@@ -1,0 +1,56 @@
+"""The optimizer's public state API (what checkpoints and ``load_state_dict`` use)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+import fxzero
+
+CHECKPOINT = Path(fxzero.__file__).resolve().parent / "checkpoint"
+
+
+def _bf16_model_and_opt() -> tuple[torch.nn.Module, fxzero.DistributedOptimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)).to(torch.bfloat16)
+    return model, fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, module=model)
+
+
+def test_fragments_say_where_they_lie_and_replacing_state_publishes_the_masters() -> None:
+    model, opt = _bf16_model_and_opt()
+    assert sorted((f.slot, f.where.param_offset, f.where.numel) for f in opt.fragments) == [
+        (s, 0, p.numel()) for s, p in enumerate(opt.params)
+    ]
+    with opt.replacing_state():
+        for frag in opt.fragments:
+            frag.param.fill_(float(frag.slot) + 0.5)  # fp32 masters, apart from the bf16 params
+    for slot, param in enumerate(opt.params):
+        assert torch.equal(param, torch.full_like(param, slot + 0.5))
+
+
+def test_fragment_states_round_trip_and_load_state_dict_goes_through_replacing_state() -> None:
+    model, opt = _bf16_model_and_opt()
+    model(torch.randn(3, 4, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    states = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.fragment_state(f).items()} for f in opt.fragments]
+    assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in states)
+    saved = opt.state_dict()
+    with opt.replacing_state():
+        opt.load_fragment_states([{**s, "exp_avg": torch.zeros_like(s["exp_avg"])} for s in states])
+    assert all(not opt.fragment_state(f)["exp_avg"].any() for f in opt.fragments)
+    with mock.patch.object(type(opt), "replacing_state", wraps=opt.replacing_state) as replacing:
+        opt.load_state_dict(saved)
+    assert replacing.call_count == 1
+    assert all(torch.equal(opt.fragment_state(f)["exp_avg"], s["exp_avg"]) for f, s in zip(opt.fragments, states))
+
+
+def _optimizer_attributes(tree: ast.AST) -> set[str]:
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "opt"}
+
+
+def test_checkpoints_use_only_the_public_optimizer_api() -> None:
+    used = set().union(*(_optimizer_attributes(ast.parse(p.read_text())) for p in CHECKPOINT.glob("*.py")))
+    assert used and not {a for a in used if a.startswith("_")} and "local" not in used and "buffers" not in used
