@@ -88,10 +88,11 @@ ENTRY_POINTS = (
     ("  of which foreach_add_ into main_grad", "optim/grad_sync.py", "add_compiled"),
     ("  of which ledger", "optim/ledger.py", "compiled_grads"),
     ("  of which launch", "optim/grad_sync.py", "_launch"),
-    ("forward counting (autograd node + ledger)", "optim/binding.py", "forward_ran"),
-    ("  of which finding the autograd node", "optim/binding.py", "backward_node"),
+    ("forward counting: the ledger's count", "optim/binding.py", "forward_ran"),
+    ("forward counting: finding the autograd node", "optim/binding.py", "backward_node"),
     ("end of backward (launch rest + grad views)", "optim/grad_sync.py", "_end_of_backward"),
-    ("step() and zero_grad()", "fxzero/distributed_optimizer.py", "step"),
+    ("step()", "fxzero/distributed_optimizer.py", "step"),
+    ("  of which the global grad norm", "optim/reduced_grads.py", "total_norm"),
 )
 
 
