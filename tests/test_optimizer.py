@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from unittest import mock
 
 import pytest
@@ -65,17 +66,40 @@ def test_meta_params_are_refused_naming_the_fix_and_materialized_ones_train() ->
     assert train_step(model, opt, 0) > train_step(model, opt, 0)
 
 
-def test_unknown_optimizer_kwarg_and_group_key_are_errors() -> None:
+def test_unknown_optimizer_kwarg_is_an_error_and_a_group_key_typo_warns() -> None:
     model = small_model()
     with pytest.raises(TypeError, match="AdamW rejected keyword arguments .*'betass'"):
         fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, betass=(0.9, 0.9))
     groups = [{"params": list(model.parameters()), "weight_decayy": 0.1}]
-    with pytest.raises(ValueError, match=r"param_groups\[0\] has option\(s\) \['weight_decayy'\]"):
+    with pytest.warns(UserWarning, match=r"param_groups\[0\] has option 'weight_decayy'.*did you mean 'weight_decay'"):
         fxzero.DistributedOptimizer(groups, torch.optim.AdamW, lr=0.1)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=-1.0)
     with pytest.raises(TypeError, match="optimizer_class"):
         fxzero.DistributedOptimizer(model.parameters(), torch.nn.Linear, lr=0.1)  # type: ignore[arg-type]
+
+
+def test_group_keys_torch_optim_keeps_are_kept_and_train_like_torch_optim() -> None:
+    """timm's ``lr_scale``, a group ``name`` and a scheduler's ``initial_lr``: torch.optim
+    keeps them (and ignores them); so does fxzero, in its groups and its state dict."""
+    extra = {"lr_scale": 0.5, "name": "decay", "initial_lr": 0.1}
+    results = []
+    for make in (torch.optim.AdamW, lambda groups, **kw: fxzero.DistributedOptimizer(groups, torch.optim.AdamW, **kw)):
+        model = small_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no typo warning for these
+            opt = make([{"params": list(model.parameters()), **extra}], lr=0.1)
+        assert all(opt.param_groups[0][k] == v for k, v in extra.items())
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5, last_epoch=0)  # needs initial_lr
+        for _ in range(3):
+            model(torch.ones(2, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+        results.append([p.detach().clone() for p in model.parameters()])
+        state = opt.state_dict()
+        assert state["param_groups"][0]["name"] == "decay"
+    assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
 def test_failed_construction_leaves_the_model_untouched() -> None:

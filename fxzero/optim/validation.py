@@ -6,6 +6,9 @@ or keyword at fault, so a bad call leaves the model exactly as it was.
 
 from __future__ import annotations
 
+import difflib
+import warnings
+
 import inspect
 import logging
 from typing import Any, Optional, Sequence
@@ -41,15 +44,18 @@ def check_optimizer_kwargs(optimizer_class: type, kwargs: dict[str, Any]) -> dic
 
 
 def check_group_keys(groups: Sequence[dict[str, Any]], defaults: dict[str, Any], optimizer_class: type) -> None:
-    """torch.optim silently keeps unknown group keys (a typo'd ``weight_decay`` would do
-    nothing); fxzero refuses them."""
+    """torch.optim keeps group keys its optimizer does not read (timm's ``lr_scale``, a
+    ``name``, a scheduler's ``initial_lr``), and so does fxzero. One that looks like a typo
+    of a real option (``weight_decy``) would silently do nothing: that gets a warning."""
     for index, group in enumerate(groups):
-        unknown = sorted(set(group) - set(defaults) - set(_GROUP_KEYS))
-        if unknown:
-            raise ValueError(
-                f"param_groups[{index}] has option(s) {unknown} that {optimizer_class.__name__} does not take; "
-                f"known options: {sorted(defaults)}"
-            )
+        for key in sorted(set(group) - set(defaults) - set(_GROUP_KEYS)):
+            close = difflib.get_close_matches(key, list(defaults), n=1, cutoff=0.8)
+            if close:
+                warnings.warn(
+                    f"fxzero: param_groups[{index}] has option {key!r}, which {optimizer_class.__name__} does not "
+                    f"read; did you mean {close[0]!r}? (kept as torch.optim keeps it, with no effect)",
+                    stacklevel=4,
+                )
 
 
 def describe_param(group_index: int, index: int, group: dict[str, Any]) -> str:
