@@ -60,7 +60,8 @@ from .optim.param_table import ParamTable, param_names
 from .optim.param_watch import ParamWatch
 from .optim.reduced_grads import ReducedGrads
 from .optim.shards import FragmentTensor, build_shards
-from .optim.state_dict import STATE_FORMAT, check_state_dict, hyperparameters, layout_key
+from .optim.state_dict import STATE_FORMAT, check_state_dict, hyperparameters, is_plain_state_dict, layout_key
+from .optim.state_dict import plain_fragment_states
 from .optim.validation import check_first_order, check_group_keys, check_leaves, check_managed_params
 from .optim.validation import check_optimizer_kwargs, layout_order
 
@@ -332,6 +333,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved on this rank, or a plain ``torch.optim`` state
+        dict of the same optimizer class (a run without fxzero: each rank takes its shard)."""
+        if is_plain_state_dict(state_dict):
+            self._load_plain(state_dict)
+            return
         check_state_dict(state_dict, self.dp, layout_key(self.buffers), len(self.param_groups))
         with self.replacing_state():
             self.local.load_state_dict(state_dict["local"])
@@ -340,6 +346,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             separate = [s for s in self.shards if not s.main_is_param]
             for shard, saved in zip(separate, state_dict["main_shards"]):
                 shard.main.copy_(saved)
+
+    def _load_plain(self, state_dict: dict[str, Any]) -> None:
+        states = plain_fragment_states(state_dict, self.param_table, self.fragments, len(self.param_groups))
+        with self.replacing_state():
+            self.load_fragment_states(states)
+            for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+                group.update(hyperparameters(saved))
 
     # ---- the state API checkpoints use (load_state_dict uses it too) -------------
     @contextlib.contextmanager

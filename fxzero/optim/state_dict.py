@@ -1,14 +1,19 @@
 """``DistributedOptimizer.state_dict()`` / ``load_state_dict()``: this rank's state, for a
-resume at the same world size and layout (``fxzero.save_checkpoint`` resumes at any)."""
+resume at the same world size and layout (``fxzero.save_checkpoint`` resumes at any), and
+the import of a plain ``torch.optim`` state dict (a run that trained without fxzero)."""
 
 from __future__ import annotations
 
 from typing import Any, Sequence
 
+import torch
+
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
+from .param_table import ParamTable
+from .shards import FragmentTensor
 
-__all__ = ["STATE_FORMAT", "check_state_dict", "hyperparameters", "layout_key"]
+__all__ = ["STATE_FORMAT", "check_state_dict", "hyperparameters", "is_plain_state_dict", "layout_key", "plain_fragment_states"]
 
 STATE_FORMAT = "fxzero.DistributedOptimizer/1"
 
@@ -16,11 +21,16 @@ STATE_FORMAT = "fxzero.DistributedOptimizer/1"
 def check_state_dict(state_dict: Any, dp: DataParallelGroup, layout: list[Any], num_groups: int) -> None:
     """Refuse, naming the difference, a state dict saved by another layout, rank or world size."""
     if not isinstance(state_dict, dict) or state_dict.get("format") != STATE_FORMAT:
-        raise ValueError(f"load_state_dict: not a {STATE_FORMAT} state dict")
+        raise ValueError(
+            f"load_state_dict: not a {STATE_FORMAT} state dict, nor a plain torch.optim one "
+            "(a dict with 'state' and 'param_groups')"
+        )
     if state_dict["world_size"] != dp.size or state_dict["rank"] != dp.rank:
         raise ValueError(
             f"load_state_dict: saved on rank {state_dict['rank']} of {state_dict['world_size']}, "
-            f"loading on rank {dp.rank} of {dp.size}; same-world-size resume only"
+            f"loading on rank {dp.rank} of {dp.size}: opt.state_dict() holds one rank's shard and resumes only at "
+            "the same world size, on the same rank. To resume at another world size, save with "
+            "fxzero.save_checkpoint(dir, model, opt, step=...) and load with fxzero.load_checkpoint."
         )
     if state_dict["layout"] != layout:
         raise ValueError(
@@ -41,3 +51,42 @@ def layout_key(buffers: Sequence[ParamAndGradBuffer]) -> list[tuple[str, int, li
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A param group without its params (and their names)."""
     return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+
+
+def is_plain_state_dict(state_dict: Any) -> bool:
+    """A ``torch.optim.Optimizer.state_dict()``: per-param state keyed by index, groups listing indices."""
+    return isinstance(state_dict, dict) and "format" not in state_dict and {"state", "param_groups"} <= set(state_dict)
+
+
+def plain_fragment_states(
+    state_dict: dict[str, Any], table: ParamTable, fragments: Sequence[FragmentTensor], num_groups: int
+) -> list[dict[str, Any]]:
+    """This rank's share of a plain torch.optim state dict, one state per fragment: each
+    elementwise tensor (as many elements as its param) sliced to the fragment, everything
+    else (AdamW's ``step``) as it is. torch.optim numbers params in group order, which is
+    the table's slot order; the groups must hold as many params as this optimizer's."""
+    saved = state_dict["param_groups"]
+    sizes = [len(g["params"]) for g in saved]
+    live = [sum(1 for r in table.rows if r.group == g) for g in range(num_groups)]
+    if sizes != live:
+        raise ValueError(
+            f"load_state_dict: the plain torch.optim state dict has param groups of {sizes} params, this optimizer "
+            f"{live}; build the DistributedOptimizer with the same param groups, in the same order"
+        )
+    order = [index for group in saved for index in group["params"]]
+    states = []
+    for frag in fragments:
+        state = state_dict["state"].get(order[frag.slot], {})
+        numel, where = table.params[frag.slot].numel(), frag.where
+        states.append({key: _fragment_of(value, numel, where.param_offset, where.numel) for key, value in state.items()})
+    return states
+
+
+def _fragment_of(value: Any, numel: int, offset: int, length: int) -> Any:
+    """A copy of each tensor: torch.optim's loader keeps some (``step``) as given, and the
+    optimizer updates them in place, so fragments must never share one."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if value.dim() > 0 and value.numel() == numel:
+        return value.detach().reshape(-1)[offset : offset + length].clone()
+    return value.detach().clone()
