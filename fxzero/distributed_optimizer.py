@@ -35,12 +35,10 @@ rank 0's values (:mod:`fxzero.optim.initial_broadcast`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import math
-import warnings
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Literal, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -60,6 +58,7 @@ from .optim.param_table import ParamTable, param_names
 from .optim.param_watch import ParamWatch
 from .optim.reduced_grads import ReducedGrads
 from .optim.shards import FragmentTensor, build_shards
+from .optim.step_result import StepResult, warn_no_gradients
 from .optim.state_dict import STATE_FORMAT, check_state_dict, hyperparameters, is_plain_state_dict, layout_key
 from .optim.state_dict import plain_fragment_states
 from .optim.validation import check_first_order, check_group_keys, check_leaves, check_managed_params
@@ -68,23 +67,6 @@ from .optim.validation import check_optimizer_kwargs, layout_order
 __all__ = ["DistributedOptimizer", "StepResult"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepResult:
-    """What :meth:`DistributedOptimizer.step` did."""
-
-    skipped: bool
-    """True when no update was applied (``reason`` says why)."""
-    grad_norm: float
-    """Global L2 norm of the averaged gradients as ``step()`` found them (after any
-    ``clip_grad_norm_`` or unscaling by hand, before ``Config.clip_grad``)."""
-    loss: Any = None
-    """The closure's return value, if a closure was given."""
-    reason: Optional[Literal["non_finite", "found_inf", "no_gradients"]] = None
-    """Why the update was skipped: the global norm was not finite; ``GradScaler`` found
-    inf/NaN; or no param got a gradient since the previous step (``step()`` consumes
-    gradients, so a second ``step()`` after one backward applies nothing; it warns)."""
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -241,7 +223,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.ledger.start_step()
         grad_scale, found_inf = grad_scaler_state(self)
         if len(absent) == len(self.params):
-            _warn_no_gradients(dropped)
+            warn_no_gradients(dropped)
             return StepResult(skipped=True, grad_norm=0.0, loss=loss, reason="no_gradients")
         if found_inf:
             return StepResult(skipped=True, grad_norm=norm / grad_scale, loss=loss, reason="found_inf")
@@ -407,16 +389,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for per_param in self.local.state.values():
             total += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
         return total
-
-
-def _warn_no_gradients(dropped: list[int]) -> None:
-    if not dropped:
-        warnings.warn(
-            "fxzero: step() found no gradient since the previous step (step() consumes them, so a second "
-            "step() after one backward applies nothing, where torch.optim would apply the same gradients again); "
-            "the step was skipped (StepResult.reason == 'no_gradients')",
-            stacklevel=3,
-        )
 
 
 def _remove_handles(handles: list[Any]) -> None:
