@@ -35,6 +35,7 @@ __all__ = [
     "inductor_pre_grad_passes",
     "plain_torch_function",
     "process_group_store",
+    "process_group_timeout",
     "profiler_enabled",
     "queue_end_of_backward",
     "register_ordered_effect",
@@ -323,6 +324,19 @@ def gradient_ops() -> dict[str, Callable[..., Any]]:
 
 
 # ---- distributed ----------------------------------------------------------------------------
+def process_group_timeout(group: Optional[dist.ProcessGroup], device: torch.device) -> float:
+    """Seconds a collective of ``group`` waits before it fails (``init_process_group(timeout=...)``).
+
+    What for: the checkpoint handshake waits as long as a collective would (DDP and DCP wait
+    that long for a late rank). Reads ``ProcessGroup._get_backend(device).options._timeout``;
+    if torch moves it, ``torch.distributed.default_pg_timeout`` (30 minutes) is used."""
+    pg = group if group is not None else dist.group.WORLD
+    try:
+        return float(pg._get_backend(device).options._timeout.total_seconds())
+    except (AttributeError, RuntimeError):
+        return float(dist.default_pg_timeout.total_seconds())
+
+
 def process_group_store(group: Optional[dist.ProcessGroup]) -> dist.Store:
     """The key-value store the ranks of ``group`` (``None``: the default group) share.
 

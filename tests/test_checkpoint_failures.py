@@ -15,8 +15,10 @@ import errno
 import os
 import re
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator
+from unittest import mock
 
 import pytest
 import torch.distributed as dist
@@ -26,7 +28,7 @@ from fxzero.testing import RankPool, run_ranks
 
 from test_checkpoint import _make, _train
 
-ARRIVAL = 2.0  # seconds: the handshake timeout the tests use (the default is 30 s)
+ARRIVAL = 2.0  # seconds: the handshake timeout the tests use (the default is the process group's)
 
 
 def _disk_full(self: Any, plan: Any, planner: Any) -> None:
@@ -171,8 +173,41 @@ def test_ranks_making_different_calls_all_fail_naming_each_call(tmp_path: Path) 
 @pytest.mark.parametrize("timeout", [0, -1.0, float("inf"), float("nan"), "30", True])
 def test_a_bad_arrival_timeout_is_named(tmp_path: Path, timeout: Any) -> None:
     model, opt = _make("mlp", 2000)
-    with pytest.raises(ValueError, match=r"arrival_timeout must be a finite number of seconds > 0, got "):
+    with pytest.raises(ValueError, match=r"arrival_timeout must be None or a finite number of seconds > 0, got "):
         fxzero.save_checkpoint(tmp_path, model, opt, step=1, arrival_timeout=timeout)
-    with pytest.raises(ValueError, match=r"arrival_timeout must be a finite number of seconds > 0, got "):
+    with pytest.raises(ValueError, match=r"arrival_timeout must be None or a finite number of seconds > 0, got "):
         fxzero.load_checkpoint(tmp_path, model, opt, arrival_timeout=timeout)
     assert list(tmp_path.iterdir()) == []
+
+
+def _late_rank_one(ckpt_dir: str) -> dict[str, Any]:
+    """Rank 1 does work of its own first (a rank-0-style evaluation, here 1.5 s)."""
+    from fxzero._torch_compat import process_group_timeout
+    from fxzero.checkpoint import ranks
+
+    model, opt = _make("mlp", 2000)
+    if dist.get_rank() == 1:
+        time.sleep(1.5)
+    with mock.patch.object(ranks, "ARRIVAL_WARNING", 0.3), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fxzero.save_checkpoint(ckpt_dir, model, opt, step=1)  # the default arrival_timeout
+    return {
+        "warnings": [str(w.message) for w in caught if "has waited" in str(w.message)],
+        "group timeout": process_group_timeout(None, opt.params[0].device),
+    }
+
+
+def test_a_late_rank_is_waited_for_with_an_early_warning_naming_it(tmp_path: Path) -> None:
+    """DDP and DCP wait for a late rank until the process group's timeout; so does the
+    checkpoint handshake by default (saying early which rank it waits for)."""
+    pool = RankPool(2, pg_timeout=45.0)  # its own group timeout, to see that it is the one used
+    try:
+        results = pool.run(_late_rank_one, str(tmp_path), timeout=60)
+    finally:
+        pool.close()
+    assert results[0]["warnings"] == [
+        "fxzero: save_checkpoint(step=1) on rank 0 has waited 0.3 s for rank(s) [1] of 2; it keeps waiting up to "
+        "45 s (every rank must call it; pass arrival_timeout to fail sooner)"
+    ]
+    assert results[1]["warnings"] == [] and results[0]["group timeout"] == 45.0
+    assert (tmp_path / "step_0000001").is_dir()

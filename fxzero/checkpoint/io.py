@@ -73,8 +73,9 @@ log = logging.getLogger(__name__)
 PathLike = Union[str, os.PathLike]
 
 
-ARRIVAL_TIMEOUT = 30.0
-"""Seconds save_checkpoint/load_checkpoint wait for every rank to call them (:mod:`.ranks`)."""
+ARRIVAL_TIMEOUT: Optional[float] = None
+"""Seconds save_checkpoint/load_checkpoint wait for every rank to call them (:mod:`.ranks`);
+``None``: as long as a collective of the optimizer's process group would."""
 
 
 def save_checkpoint(
@@ -84,19 +85,20 @@ def save_checkpoint(
     *,
     step: int,
     extra: Optional[dict[str, Any]] = None,
-    arrival_timeout: float = ARRIVAL_TIMEOUT,
+    arrival_timeout: Optional[float] = ARRIVAL_TIMEOUT,
 ) -> Path:
     """Save ``model`` and ``optimizer`` as ``ckpt_dir/step_XXXXXXX`` (called on every rank).
 
     ``extra`` is JSON-serializable user data (say, the data loader's position), returned by
     :func:`load_checkpoint`. Returns the checkpoint's path once it is committed. Every rank
-    must call it within ``arrival_timeout`` seconds of the others, with the same ``step``.
+    must call it within ``arrival_timeout`` seconds of the others (``None``: the process
+    group's timeout, with a warning naming the late ranks after 30 s), with the same ``step``.
     A failure on any rank (disk full, a path that is a file) raises :class:`CheckpointError`
     on every rank and removes the partial ``.tmp-`` directory.
     """
     _check_args(optimizer, step, extra, arrival_timeout)
     ranks = CheckpointRanks(optimizer.dp)
-    ranks.handshake(f"save_checkpoint(step={step})", arrival_timeout)
+    ranks.handshake(f"save_checkpoint(step={step})", arrival_timeout, optimizer.params[0].device)
     optimizer.finish_param_sync()
     names, state, spec, groups = ranks.together("collecting the state to save", lambda: _collect(model, optimizer))
     manifest = {
@@ -124,7 +126,7 @@ def load_checkpoint(
     model: torch.nn.Module,
     optimizer: DistributedOptimizer,
     *,
-    arrival_timeout: float = ARRIVAL_TIMEOUT,
+    arrival_timeout: Optional[float] = ARRIVAL_TIMEOUT,
 ) -> dict[str, Any]:
     """Load a checkpoint saved at any world size into ``model`` and ``optimizer`` (called
     on every rank, within ``arrival_timeout`` seconds of each other, with the same
@@ -135,7 +137,7 @@ def load_checkpoint(
     _check_optimizer(optimizer)
     _check_timeout(arrival_timeout)
     ranks = CheckpointRanks(optimizer.dp)
-    ranks.handshake(f"load_checkpoint({None if path is None else Path(path).name!r})", arrival_timeout)
+    ranks.handshake(f"load_checkpoint({None if path is None else Path(path).name!r})", arrival_timeout, optimizer.params[0].device)
     if path is None:
         raise CheckpointError(
             "load_checkpoint: path is None, so there is no checkpoint to load. fxzero.latest_checkpoint(ckpt_dir) "
@@ -213,9 +215,11 @@ def _check_optimizer(optimizer: Any) -> None:
 
 
 def _check_timeout(arrival_timeout: Any) -> None:
+    if arrival_timeout is None:
+        return
     number = isinstance(arrival_timeout, (int, float)) and not isinstance(arrival_timeout, bool)
     if not (number and math.isfinite(arrival_timeout) and arrival_timeout > 0):
-        raise ValueError(f"arrival_timeout must be a finite number of seconds > 0, got {arrival_timeout!r}")
+        raise ValueError(f"arrival_timeout must be None or a finite number of seconds > 0, got {arrival_timeout!r}")
 
 
 def _check_args(optimizer: Any, step: Any, extra: Any, arrival_timeout: Any) -> None:

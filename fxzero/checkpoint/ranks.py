@@ -8,9 +8,13 @@ mistakes hang instead of fail:
   group's timeout (minutes), and the errors then blame a dead peer.
   :meth:`CheckpointRanks.handshake` meets the other ranks through the group's key-value
   store first (no collective, so the path does not depend on the backend; tested on gloo)
-  and raises on every rank that arrived within ``timeout`` seconds, naming the ranks that
-  did not come or what each rank called. After a timeout the ranks' later calls no longer
-  pair up (each rank counts its own): the job should stop;
+  and raises on every rank that arrived within ``timeout`` seconds (by default the process
+  group's own timeout, as long as DDP or DCP would wait for a late rank), naming the ranks
+  that did not come or what each rank called. A rank that waits longer than
+  :data:`ARRIVAL_WARNING` seconds says so early, naming the late ranks (a rank-0-only
+  evaluation or upload before the save is ordinary; a forgotten call is not). After a
+  timeout the ranks' later calls no longer pair up (each rank counts its own): the job
+  should stop;
 * **a failure on one rank** (its disk is full): the others would wait for it in the next
   collective. :meth:`CheckpointRanks.together` runs a step on every rank, then gathers every
   rank's failure, so all of them raise the same :class:`CheckpointError`.
@@ -20,17 +24,25 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import logging
 import time
+import warnings
 from typing import Any, Callable, Optional, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._torch_compat import process_group_store
+from .._torch_compat import process_group_store, process_group_timeout
 from ..optim.comm import DataParallelGroup
 from .state import CheckpointError
 
-__all__ = ["CheckpointRanks"]
+__all__ = ["ARRIVAL_WARNING", "CheckpointRanks"]
+
+log = logging.getLogger(__name__)
+
+ARRIVAL_WARNING = 30.0
+"""Seconds a rank waits for late ranks at a checkpoint call before it warns, naming them."""
 
 T = TypeVar("T")
 _KEYS = "fxzero/checkpoint"
@@ -83,10 +95,11 @@ class CheckpointRanks:
             raise CheckpointError(_combine(failures)) from error
         return result  # type: ignore[return-value]
 
-    def handshake(self, call: str, timeout: float) -> None:
+    def handshake(self, call: str, timeout: Optional[float], device: torch.device) -> None:
         """Return once every rank of the group has called ``handshake`` with the same
         ``call`` (``"save_checkpoint(step=5)"``); raise on every rank that arrived if one
-        called something else, or if some rank has not arrived within ``timeout`` seconds.
+        called something else, or if some rank has not arrived within ``timeout`` seconds
+        (``None``: the process group's timeout); warn after :data:`ARRIVAL_WARNING` seconds.
 
         The n-th call of each rank meets the n-th call of the others (each rank counts its
         own calls in the store). Each rank compares its ``call`` with rank 0's and reports a
@@ -94,17 +107,18 @@ class CheckpointRanks:
         O(1) store operations per rank; the previous call's keys are deleted."""
         if self.dp.size == 1:
             return
+        timeout = process_group_timeout(self.dp.group, device) if timeout is None else timeout
         store, rank = process_group_store(self.dp.group), self.dp.rank
         generation = store.add(f"{_KEYS}/calls/{rank}", 1)
-        key, deadline = f"{_KEYS}/{generation}", time.monotonic() + timeout
+        key, clock = f"{_KEYS}/{generation}", _Clock(time.monotonic(), timeout)
         store.set(f"{key}/{rank}", call)
-        self._wait(store, f"{key}/0", deadline, call, timeout)
+        self._wait(store, f"{key}/0", clock, call)
         first = store.get(f"{key}/0").decode()
         if first != call:
             store.append(f"{key}/differ", f"; rank {rank} called {call}")
         if store.add(f"{key}/arrived", 1) == self.dp.size:
             store.set(f"{key}/all", "")
-        self._wait(store, f"{key}/all", deadline, call, timeout)
+        self._wait(store, f"{key}/all", clock, call)
         if store.check([f"{key}/differ"]):
             differ = store.get(f"{key}/differ").decode()
             raise CheckpointError(
@@ -113,18 +127,30 @@ class CheckpointRanks:
             )
         self._forget(store, generation - 1)
 
-    def _wait(self, store: dist.Store, key: str, deadline: float, call: str, timeout: float) -> None:
-        try:
-            store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except RuntimeError as err:  # DistStoreError: the timeout
-            prefix = key.rsplit("/", 1)[0]
-            missing = [r for r in range(self.dp.size) if not store.check([f"{prefix}/{r}"])]
-            raise CheckpointError(
-                f"{call} on rank {self.dp.rank}: rank(s) {missing or 'of the group'} of {self.dp.size} did not call "
-                f"save_checkpoint/load_checkpoint within {timeout:g} s. Both are collective: every rank must call "
-                "them, at the same point of the program (a rank that does long work of its own first, such as an "
-                "evaluation on rank 0 only, needs a larger arrival_timeout)"
-            ) from err
+    def _wait(self, store: dist.Store, key: str, clock: "_Clock", call: str) -> None:
+        if not clock.warned and _wait_until(store, key, min(clock.warn_at, clock.deadline)):
+            return
+        if not clock.warned and time.monotonic() < clock.deadline:
+            clock.warned = True
+            message = (
+                f"fxzero: {call} on rank {self.dp.rank} has waited {ARRIVAL_WARNING:g} s for rank(s) "
+                f"{self._missing(store, key)} of {self.dp.size}; it keeps waiting up to {clock.timeout:g} s "
+                "(every rank must call it; pass arrival_timeout to fail sooner)"
+            )
+            log.warning("%s", message)
+            warnings.warn(message, stacklevel=4)
+        if _wait_until(store, key, clock.deadline):
+            return
+        raise CheckpointError(
+            f"{call} on rank {self.dp.rank}: rank(s) {self._missing(store, key) or 'of the group'} of {self.dp.size} "
+            f"did not call save_checkpoint/load_checkpoint within {clock.timeout:g} s. Both are collective: every "
+            "rank must call them, at the same point of the program (a rank that does long work of its own first, "
+            "such as an evaluation on rank 0 only, needs a larger arrival_timeout)"
+        )
+
+    def _missing(self, store: dist.Store, key: str) -> list[int]:
+        prefix = key.rsplit("/", 1)[0]
+        return [r for r in range(self.dp.size) if not store.check([f"{prefix}/{r}"])]
 
     def _forget(self, store: dist.Store, generation: int) -> None:
         """Every rank has arrived at the next call, so no one reads ``generation``'s keys any more."""
@@ -135,6 +161,32 @@ class CheckpointRanks:
         if self.dp.rank == 0:
             for name in ("arrived", "all", "differ"):
                 store.delete_key(f"{key}/{name}")
+
+
+@dataclasses.dataclass
+class _Clock:
+    """One handshake's deadlines."""
+
+    start: float
+    timeout: float
+    warned: bool = False
+
+    @property
+    def deadline(self) -> float:
+        return self.start + self.timeout
+
+    @property
+    def warn_at(self) -> float:
+        return self.start + ARRIVAL_WARNING
+
+
+def _wait_until(store: dist.Store, key: str, deadline: float) -> bool:
+    """Whether ``key`` appeared in ``store`` before ``deadline`` (``time.monotonic()``)."""
+    try:
+        store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except RuntimeError:  # DistStoreError: the timeout
+        return False
+    return True
 
 
 def _cause(err: BaseException) -> str:
