@@ -60,7 +60,7 @@ from .optim.reduced_grads import ReducedGrads
 from .optim.shards import FragmentTensor, build_shards
 from .optim.step_result import StepResult, warn_no_gradients
 from .optim.state_dict import STATE_FORMAT, check_state_dict, hyperparameters, is_plain_state_dict, layout_key
-from .optim.state_dict import plain_fragment_states
+from .optim.state_dict import consolidated_state, plain_fragment_states
 from .optim.validation import check_first_order, check_group_keys, check_leaves, check_managed_params
 from .optim.validation import check_optimizer_kwargs, layout_order
 
@@ -328,6 +328,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
             separate = [s for s in self.shards if not s.main_is_param]
             for shard, saved in zip(separate, state_dict["main_shards"]):
                 shard.main.copy_(saved)
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state in plain ``torch.optim`` format, on every rank
+        (collective: every rank of the group calls it). It loads into the wrapped
+        optimizer class over the same param groups without fxzero, or back into a
+        DistributedOptimizer at any world size (:meth:`load_state_dict`)."""
+        states = [self.fragment_state(f) for f in self.fragments]
+        state = consolidated_state(self.param_table, self.fragments, states, self.dp)
+        groups = [
+            hyperparameters(group) | {"params": [r.slot for r in self.param_table.rows if r.group == g]}
+            for g, group in enumerate(self.param_groups)
+        ]
+        return {"state": state, "param_groups": groups}
 
     def _load_plain(self, state_dict: dict[str, Any]) -> None:
         states = plain_fragment_states(state_dict, self.param_table, self.fragments, len(self.param_groups))

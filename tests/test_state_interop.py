@@ -99,3 +99,32 @@ def _other_world_state() -> str:
 def test_another_world_sizes_state_dict_points_at_save_checkpoint() -> None:
     assert "fxzero.save_checkpoint" in _other_world_state() and "fxzero.load_checkpoint" in _other_world_state()
 
+
+
+def _export_after_training() -> list[bool]:
+    """fxzero's consolidated state equals plain AdamW's after the same steps, and loads back."""
+    model, ref = _model(), _model()
+    opt = fxzero.DistributedOptimizer(_groups(model), torch.optim.AdamW, lr=0.05, module=model,
+                                      config=fxzero.Config(bucket_size=64))  # fmt: skip
+    ref_opt = torch.optim.AdamW(_groups(ref), lr=0.05)
+    _train(model, opt, range(STEPS))
+    _train(ref, ref_opt, range(STEPS))
+    got, want = opt.consolidated_state_dict(), ref_opt.state_dict()
+    same_state = got["state"].keys() == want["state"].keys() and all(
+        got["state"][i].keys() == want["state"][i].keys()
+        and all(torch.equal(got["state"][i][k], want["state"][i][k]) for k in want["state"][i])
+        for i in want["state"]
+    )
+    same_groups = got["param_groups"] == want["param_groups"]
+    plain = torch.optim.AdamW(_groups(_model()), lr=0.05)
+    plain.load_state_dict(got)  # loads without fxzero
+    opt.load_state_dict(got)  # and back into fxzero
+    return [same_state, same_groups, torch.equal(opt.consolidated_state_dict()["state"][0]["exp_avg"], got["state"][0]["exp_avg"])]
+
+
+def test_consolidated_state_dict_is_plain_adamw_state_at_world_1() -> None:
+    assert _export_after_training() == [True, True, True]
+
+
+def test_consolidated_state_dict_is_plain_adamw_state_at_world_2() -> None:
+    assert run_ranks(2, _export_after_training, timeout=90) == [[True, True, True]] * 2

@@ -13,7 +13,15 @@ from .comm import DataParallelGroup
 from .param_table import ParamTable
 from .shards import FragmentTensor
 
-__all__ = ["STATE_FORMAT", "check_state_dict", "hyperparameters", "is_plain_state_dict", "layout_key", "plain_fragment_states"]
+__all__ = [
+    "STATE_FORMAT",
+    "check_state_dict",
+    "consolidated_state",
+    "hyperparameters",
+    "is_plain_state_dict",
+    "layout_key",
+    "plain_fragment_states",
+]
 
 STATE_FORMAT = "fxzero.DistributedOptimizer/1"
 
@@ -90,3 +98,67 @@ def _fragment_of(value: Any, numel: int, offset: int, length: int) -> Any:
     if value.dim() > 0 and value.numel() == numel:
         return value.detach().reshape(-1)[offset : offset + length].clone()
     return value.detach().clone()
+
+
+def consolidated_state(
+    table: ParamTable, fragments: Sequence[FragmentTensor], states: Sequence[dict[str, Any]], dp: DataParallelGroup
+) -> dict[int, dict[str, Any]]:
+    """Every param's whole wrapped-optimizer state, from each rank's fragments (collective).
+
+    Ranks first exchange what they hold (which keys, elementwise or not, and the small
+    non-elementwise values such as AdamW's ``step``, which every owner of a param holds
+    alike); then one all-reduce per dtype sums the elementwise tensors, each rank having
+    written only its own fragments into zeros (fragments never overlap)."""
+    held: dict[int, dict[str, Any]] = {}
+    for frag, state in zip(fragments, states):
+        for key, value in state.items():
+            elementwise = isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == frag.where.numel
+            entry = ("elementwise", str(value.dtype).removeprefix("torch.")) if elementwise else ("value", _portable(value))
+            held.setdefault(frag.slot, {})[key] = entry
+    spec = _merge([held] if dp.size == 1 else _all_gather_objects(held, dp))
+    full = {slot: {} for slot in sorted(spec)}
+    flat: dict[torch.dtype, list[tuple[int, str, torch.Tensor]]] = {}
+    for slot, entries in full.items():
+        param = table.params[slot]
+        for key, (kind, info) in sorted(spec[slot].items()):
+            if kind == "elementwise":
+                tensor = torch.zeros(param.numel(), dtype=getattr(torch, info), device=param.device)
+                flat.setdefault(tensor.dtype, []).append((slot, key, tensor))
+                entries[key] = tensor.view(param.shape)
+            else:
+                entries[key] = info
+    for frag, state in zip(fragments, states):
+        for key, value in state.items():
+            if spec[frag.slot][key][0] == "elementwise":
+                lo = frag.where.param_offset
+                full[frag.slot][key].view(-1)[lo : lo + frag.where.numel].copy_(value)
+    if dp.size > 1:
+        for dtype in sorted(flat, key=str):
+            tensors = [t for _, _, t in flat[dtype]]
+            joined = torch.cat(tensors)
+            dp.all_reduce_sum(joined, "all-reduce of the consolidated optimizer state")
+            offset = 0
+            for tensor in tensors:
+                tensor.copy_(joined[offset : offset + tensor.numel()])
+                offset += tensor.numel()
+    return full
+
+
+def _portable(value: Any) -> Any:
+    return value.detach().cpu().clone() if isinstance(value, torch.Tensor) else value
+
+
+def _all_gather_objects(obj: Any, dp: DataParallelGroup) -> list[Any]:
+    gathered: list[Any] = [None] * dp.size
+    torch.distributed.all_gather_object(gathered, obj, group=dp.group)
+    return gathered
+
+
+def _merge(helds: Sequence[dict[int, dict[str, Any]]]) -> dict[int, dict[str, Any]]:
+    """The first rank's entry for each (param, key): non-elementwise values are the same on every owner."""
+    merged: dict[int, dict[str, Any]] = {}
+    for held in helds:
+        for slot, entries in held.items():
+            for key, entry in entries.items():
+                merged.setdefault(slot, {}).setdefault(key, entry)
+    return merged
