@@ -55,7 +55,7 @@ def test_a_tensor_that_is_not_a_managed_param_is_refused_naming_the_cause() -> N
         opt.binding.grads_ready([torch.zeros(2, 3), torch.zeros(2, 3)], [w, copy_of_w])
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_adapters_picked_in_python_get_exactly_their_own_gradients(inner: str) -> None:
     model = build("adapters")
     reference = copy.deepcopy(model)
