@@ -24,6 +24,7 @@ import pytest
 import torch.distributed as dist
 
 import fxzero
+import fxzero.checkpoint.ranks
 from fxzero.testing import RankPool, run_ranks
 
 from test_checkpoint import _make, _train
@@ -210,4 +211,5 @@ def test_a_late_rank_is_waited_for_with_an_early_warning_naming_it(tmp_path: Pat
         "45 s (every rank must call it; pass arrival_timeout to fail sooner)"
     ]
     assert results[1]["warnings"] == [] and results[0]["group timeout"] == 45.0
+    assert fxzero.checkpoint.ranks.ARRIVAL_WARNING == 30.0  # the README's "a warning after 30 s"
     assert (tmp_path / "step_0000001").is_dir()

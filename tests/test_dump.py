@@ -139,3 +139,18 @@ def test_trace_structured_artifacts_and_no_log_lines_without_torch_logs(capfd: p
     # TORCH_LOGS is not set in this process: fxzero's INFO lines stay silent.
     assert "fxzero graph" not in capfd.readouterr().err
     assert torch._logging._internal.log_registry.is_log("fxzero")
+
+
+def test_no_dumper_is_built_unless_something_asks_for_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Describing every graph costs compile time: a GraphDumper exists only for a dump dir,
+    TORCH_TRACE, the fxzero INFO log or a recorder."""
+    import fxzero.dump
+
+    monkeypatch.delenv(DUMP_DIR_ENV, raising=False)
+    logger = logging.getLogger("fxzero")
+    with mock.patch.object(fxzero.dump, "GraphDumper", wraps=fxzero.dump.GraphDumper) as built:
+        with mock.patch.object(logger, "level", logging.WARNING):
+            _train_once()
+        assert built.call_count == 0
+        _train_once(dump_dir=str(tmp_path))
+        assert built.call_count > 0
