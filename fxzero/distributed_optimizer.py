@@ -337,13 +337,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         states = [self.fragment_state(f) for f in self.fragments]
         state = consolidated_state(self.param_table, self.fragments, states, self.dp)
         groups = [
-            hyperparameters(group) | {"params": [r.slot for r in self.param_table.rows if r.group == g]}
+            hyperparameters(group) | {"params": list(self.param_table.group_slots[g])}
             for g, group in enumerate(self.param_groups)
         ]
         return {"state": state, "param_groups": groups}
 
     def _load_plain(self, state_dict: dict[str, Any]) -> None:
-        states = plain_fragment_states(state_dict, self.param_table, self.fragments, len(self.param_groups))
+        states = plain_fragment_states(state_dict, self.param_table, self.fragments)
         with self.replacing_state():
             self.load_fragment_states(states)
             for group, saved in zip(self.param_groups, state_dict["param_groups"]):

@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from .._torch_compat import DcpCheckpointable
 from ..optim.layout import Fragment
+from ..optim.state_dict import hyperparameters
 
 if TYPE_CHECKING:
     from ..distributed_optimizer import DistributedOptimizer
@@ -211,7 +212,7 @@ def _group_differences(saved_groups: list[dict[str, Any]], opt: "DistributedOpti
         return [f"param groups: checkpoint has {len(saved_groups)}, this optimizer {len(opt.param_groups)}"]
     problems = []
     for index, saved in enumerate(saved_groups):
-        live = {names[row.slot] for row in opt.param_table.rows if row.group == index}
+        live = {names[slot] for slot in opt.param_table.group_slots[index]}
         if moved := sorted(live ^ set(saved["params"])):
             problems.append(f"param group {index}: params {moved} are in it in only one of checkpoint and optimizer")
     return problems
@@ -277,13 +278,13 @@ def group_records(opt: "DistributedOptimizer", names: Sequence[str]) -> list[dic
     """Each param group's params (by name) and hyperparameters, for the manifest."""
     records = []
     for index, group in enumerate(opt.param_groups):
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        hyper = hyperparameters(group)
         for key, value in hyper.items():
             if not _is_json(value):
                 raise CheckpointError(
                     f"param_groups[{index}][{key!r}] is a {type(value).__name__}; checkpoints store hyperparameters as JSON"
                 )
-        records.append({"params": [names[row.slot] for row in opt.param_table.rows if row.group == index], "hyperparameters": hyper})
+        records.append({"params": [names[slot] for slot in opt.param_table.group_slots[index]], "hyperparameters": hyper})
     return records
 
 

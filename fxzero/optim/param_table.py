@@ -44,12 +44,15 @@ class ParamRow:
 class ParamTable:
     """Rows by slot, and the reverse lookup from a param to its slot."""
 
-    def __init__(self, rows: Sequence[ParamRow]) -> None:
+    def __init__(self, rows: Sequence[ParamRow], num_groups: Optional[int] = None) -> None:
         self.rows = tuple(rows)
         if any(row.slot != slot for slot, row in enumerate(self.rows)):
             raise ValueError("ParamTable rows must be given in slot order")
         self.params = tuple(row.param for row in self.rows)
         self.bucket_of_slot = tuple(row.bucket for row in self.rows)
+        groups = num_groups if num_groups is not None else max((row.group for row in self.rows), default=-1) + 1
+        self.group_slots = tuple(tuple(r.slot for r in self.rows if r.group == g) for g in range(groups))
+        """``group_slots[g]``: the slots of param group ``g``, in order."""
         self._slot_of = {id(row.param): row.slot for row in self.rows}
 
     @classmethod
@@ -62,7 +65,8 @@ class ParamTable:
         """Rows for ``groups``' params in group order; ``names`` and ``bucket_of`` are keyed
         by ``id(param)`` (of params held alive by ``groups``)."""
         pairs = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
-        return cls([ParamRow(slot, p, names.get(id(p)), g, bucket_of[id(p)]) for slot, (g, p) in enumerate(pairs)])
+        rows = [ParamRow(slot, p, names.get(id(p)), g, bucket_of[id(p)]) for slot, (g, p) in enumerate(pairs)]
+        return cls(rows, num_groups=len(groups))
 
     def __len__(self) -> int:
         return len(self.rows)

@@ -67,7 +67,7 @@ def is_plain_state_dict(state_dict: Any) -> bool:
 
 
 def plain_fragment_states(
-    state_dict: dict[str, Any], table: ParamTable, fragments: Sequence[FragmentTensor], num_groups: int
+    state_dict: dict[str, Any], table: ParamTable, fragments: Sequence[FragmentTensor]
 ) -> list[dict[str, Any]]:
     """This rank's share of a plain torch.optim state dict, one state per fragment: each
     elementwise tensor (as many elements as its param) sliced to the fragment, everything
@@ -75,7 +75,7 @@ def plain_fragment_states(
     the table's slot order; the groups must hold as many params as this optimizer's."""
     saved = state_dict["param_groups"]
     sizes = [len(g["params"]) for g in saved]
-    live = [sum(1 for r in table.rows if r.group == g) for g in range(num_groups)]
+    live = [len(slots) for slots in table.group_slots]
     if sizes != live:
         raise ValueError(
             f"load_state_dict: the plain torch.optim state dict has param groups of {sizes} params, this optimizer "

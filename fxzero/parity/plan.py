@@ -20,6 +20,7 @@ import torch.nn as nn
 from .._torch_compat import batch_norm_base
 from ..config import Config
 from ..distributed_optimizer import DistributedOptimizer
+from ..optim.state_dict import hyperparameters
 from ..target import TargetError
 
 __all__ = [
@@ -130,7 +131,7 @@ class OptimizerSpec:
                     f"optimizer_factory(params): param_groups[{index}] holds a tensor that is not one of the params "
                     "it was given (the model's trainable params)"
                 )
-            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            hyper = hyperparameters(group)
             groups.append((tuple(position[id(p)] for p in group["params"]), hyper))
         return cls(type(optimizer), _constructor_kwargs(type(optimizer), optimizer.defaults), tuple(groups))
 
