@@ -8,7 +8,10 @@ batches and seed) with AdamW (lr 2e-3, betas 0.9/0.95, weight decay 0.1 on matri
 
 * **fxzero**: ``DistributedOptimizer(..., Config(bucket_size=--bucket-size), module=model)``
   + ``torch.compile(model, backend="fxzero")`` (Inductor inside); **fxzero eager-inner**:
-  the same with ``options={"inner_compiler": "eager"}``;
+  the same with ``options={"inner_compiler": "eager"}``; **fxzero + overlap**: fxzero with
+  ``Config(overlap_param_gather=True)`` (opt-in): what the default, gathers finished inside
+  ``step()``, costs shows in the alone runs (stepping in turn, every fxzero config waits for
+  its gathers);
 * **DDP eager**, **DDP + compile** (``torch.compile(DDP(model))``, DDPOptimizer), full AdamW;
 * **DDP + ZeRO**: eager ``DDP`` + ``ZeroRedundancyOptimizer(AdamW)``;
 * **FSDP2** / **FSDP2 + compile**: ``fully_shard`` on each block and the root,
@@ -179,6 +182,10 @@ def _targets(results: dict, paired: dict, medians: dict, world: int) -> None:
         blocks = _blocks(paired["fxzero"]["ms"], paired[other]["ms"])
         print(f"fxzero step time = {ratio:.3f}x {other} (target <= {limit}x): {verdict(ratio <= limit)}  "
               f"[paired, by quarter: {blocks}; alone runs: {alone:.3f}]")
+    if isinstance(results.get("fxzero + overlap"), list):
+        cost = _alone_median(results["fxzero"]) / _alone_median(results["fxzero + overlap"])
+        print(f"cost of the default (gathers finished in step()) = {cost:.3f}x the step time of overlap_param_gather=True "
+              "[alone runs]")
     if isinstance(results.get(BASELINE), list):
         plain = max(r["state_bytes"] for r in results[BASELINE])
         ratio = max(r["state_bytes"] for r in results["fxzero"]) / (plain / world)

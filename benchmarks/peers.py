@@ -28,7 +28,7 @@ from fxzero._torch_compat import InductorCompilers  # noqa: E402
 from fxzero.optim.grad_sync import GradReductions  # noqa: E402
 
 LR, BETAS, PER_RANK = 2e-3, (0.9, 0.95), 8
-CONFIGS = ("fxzero", "fxzero eager-inner", "DDP eager", "DDP + compile", "DDP + ZeRO", "FSDP2", "FSDP2 + compile", "limit")
+CONFIGS = ("fxzero", "fxzero + overlap", "fxzero eager-inner", "DDP eager", "DDP + compile", "DDP + ZeRO", "FSDP2", "FSDP2 + compile", "limit")
 
 
 def param_groups(model: torch.nn.Module) -> list[dict]:
@@ -70,7 +70,7 @@ def build(config: str, model: torch.nn.Module, bucket_size, *, group=None, devic
     wrapper and optimizer uses (default: the world); ``device_ids``: DDP's, on a GPU."""
     AdamW = torch.optim.AdamW
     if config.startswith("fxzero"):
-        cfg = fxzero.Config(bucket_size=bucket_size)
+        cfg = fxzero.Config(bucket_size=bucket_size, overlap_param_gather=config == "fxzero + overlap")
         opt = fxzero.DistributedOptimizer(param_groups(model), AdamW, lr=LR, betas=BETAS, config=cfg, module=model, process_group=group)
         if config == "fxzero eager":
             return model, opt, lambda: opt.state_bytes

@@ -153,7 +153,8 @@ def build_parser():
     p.add_argument("--compile", choices=["inductor", "eager", "none"], default="inductor",
                    help="fxzero's inner compiler, or none for no torch.compile")
     p.add_argument("--mxfp8", action="store_true", help="all-gather params as MXFP8 (into the grad buffer)")
-    p.add_argument("--no-prefetch", action="store_true", help="gather params inside step(), not in the next forward")
+    p.add_argument("--overlap", action="store_true",
+                   help="overlap the param gathers with the next forward (opt-in; default: step() gathers them)")
     p.add_argument("--accum", type=int, default=1, help="microbatches per step")
     p.add_argument("--log-every", type=int, default=10)
     p.add_argument("--data", default=None, help="a text file (default: the stdlib's .py files)")
@@ -199,7 +200,7 @@ def build_optimizer(model, args):
     ]
     return fxzero.DistributedOptimizer(
         groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), process_group=None,
-        config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0, overlap_param_gather=not args.no_prefetch,
+        config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0, overlap_param_gather=args.overlap,
                              mxfp8_param_gather=args.mxfp8, reuse_grad_buf_for_mxfp8_param_ag=args.mxfp8),
         module=model,  # lay buckets out in registration order (the groups split the model)
     )
@@ -286,7 +287,7 @@ def summary(job, losses, val_loss, skipped, first_ms, t_start):
     unpadded = sum(b.plan.numel_unpadded for b in opt.buffers)
     counts = opt.collectives_per_step  # c10d op names: gloo reduces by all-to-all chunks, gathers by broadcasts
     collectives = f"{sum(counts.values())} (" + " + ".join(f"{n} {op}" for op, n in sorted(counts.items())) + ")"
-    setup = (f"world {world}, compile {args.compile}, prefetch {'off' if args.no_prefetch else 'on'}, "
+    setup = (f"world {world}, compile {args.compile}, param-gather overlap {'on' if args.overlap else 'off'}, "
              f"MXFP8 gather {'on (in the grad buffer)' if args.mxfp8 else 'off'}")
     rows = [
         ("setup", setup),

@@ -80,12 +80,20 @@ class Config:
     (twice the bytes, no extra memory). ``"auto"``: all-to-all on gloo, reduce-scatter
     elsewhere (the README's "Gradients" paragraph has the measurements)."""
 
-    overlap_param_gather: bool = True
-    """Overlap the param all-gather after ``step()`` with the next forward: the step
-    launches the gathers of the first two buckets in forward order, and each bucket is
-    waited right before its first read (compiled graphs: inserted waits; eager modules:
-    forward pre-hooks), launching the one after the next. Needs ``DistributedOptimizer(..., module=model)`` to hook eager regions;
-    without a module, or with ``False``, ``step()`` waits for all gathers itself."""
+    overlap_param_gather: bool = False
+    """Overlap the param all-gather after ``step()`` with the next forward (opt-in, as
+    Megatron-LM's ``overlap_param_gather``). Off (the default), ``step()`` returns with every
+    param current, so anything may read params right after it: an EMA or ``AveragedModel``,
+    logged norms, ``model.state_dict()`` on rank 0 only, a second compiled model sharing the
+    params. On, ``step()`` launches every bucket's gather (in forward order, on every rank, so
+    a rank-0-only read afterwards never waits for a peer) and returns; each bucket is waited
+    right before its first read in the forward (compiled graphs: inserted waits; eager
+    modules: forward pre-hooks; the managed module's ``state_dict()``). Any other read of
+    the params before the next forward (another module holding the same Parameters,
+    ``parameters_to_vector``, a submodule's ``state_dict()``) must call
+    ``opt.finish_param_sync()`` first, or it sees this rank's shard updated and the rest not.
+    Needs ``DistributedOptimizer(..., module=model)``; without a module ``step()`` waits for
+    its gathers itself."""
 
     mxfp8_param_gather: bool = False
     """All-gather params as MXFP8 (1 byte per element plus one scale byte per 32, about

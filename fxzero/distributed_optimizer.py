@@ -263,8 +263,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def start_param_sync(self) -> None:
         """Gather every bucket's updated shard from its pre-made view: with
-        ``overlap_param_gather`` only the first is launched (the forward waits and
-        prefetches the rest), otherwise all are gathered before returning."""
+        ``overlap_param_gather`` all are launched and the forward waits for each,
+        otherwise all are gathered before returning."""
         self.param_sync.start()
 
     def finish_param_sync(self) -> None:

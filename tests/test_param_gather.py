@@ -172,7 +172,8 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
 
 def _profiled_step() -> tuple[bool, bool]:
     model = build("gpt")
-    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model)
+    config = fxzero.Config(overlap_param_gather=True)
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
     x, y = batch("gpt", 0, 4)
     with torch.profiler.profile():
         loss_fn("gpt", model(x), y).backward()
@@ -185,6 +186,7 @@ def _profiled_step() -> tuple[bool, bool]:
 
 def test_no_gather_outlives_a_profiler() -> None:
     """A profiler stopping while gloo work it saw start is in flight crashed the next wait
-    (torch 2.13): under a profiler the step finishes its gathers; outside, it prefetches."""
+    (torch 2.13): under a profiler the step finishes its gathers; outside, with overlap on, it
+    leaves them in flight for the forward."""
     for under_profiler, outside in run_ranks(2, _profiled_step, timeout=120):
         assert (under_profiler, outside) == (False, True)

@@ -1,12 +1,10 @@
 """Param all-gathers after the step, waited right before each bucket's first use.
 
 After :meth:`DistributedOptimizer.step` updates this rank's shards, every bucket's
-``param_data`` must be all-gathered before the model reads it again. With
-``Config.overlap_param_gather`` the step launches only the first two gathers in
-forward order; the next forward waits for each bucket immediately before its first
-read and makes sure the following one is in flight (the prefetch chain, as
-Megatron-LM's forward pre-hooks do, kept one bucket ahead from the start so that a
-small first bucket, such as the embeddings, does not leave the second one late):
+``param_data`` must be all-gathered before the model reads it again. By default the step
+does that itself and returns with every param current. With ``Config.overlap_param_gather``
+(opt-in, as in Megatron-LM) the step launches every bucket's gather, in forward order, and
+returns; the next forward waits for each bucket immediately before its first read:
 
 * compiled graphs call ``fxzero::wait_params`` (inserted by
   :mod:`fxzero.passes.param_gather_wait`) before the first node that reads the bucket;
@@ -15,11 +13,18 @@ small first bucket, such as the embeddings, does not leave the second one late):
   so does ``load_state_dict()``, so a gather still in flight never lands over values
   it just loaded.
 
+**Why launch them all in the step.** A read on one rank only (rank 0 saving
+``model.state_dict()``, a rank-0 eval) waits for gathers; if some were still to be launched
+by the next forward, rank 0 would wait for peers that are blocked in whatever collective
+comes next (a barrier), until the process group's timeout. Launched on every rank inside
+``step()``, every gather completes without its peers doing anything more. Gathers run in
+place, so having them all in flight costs no memory.
+
 **Order.** Buckets are laid out in reverse registration order, so the forward reads
-them in *descending* index order. Launches always follow that fixed order: waiting
-for a bucket first launches every earlier one not launched yet, then one more (the
-prefetch). The sequence of collectives is therefore the same on every rank whatever
-order the model happens to read buckets in.
+them in *descending* index order, and gathers launch in that order. Waiting for a
+bucket first launches every earlier one not launched yet (a step under ``torch.profiler``
+or :meth:`finish` launches lazily), so the sequence of collectives is the same on every
+rank whatever order the model happens to read buckets in.
 
 **What a gather moves** is up to a gather object: :class:`PlainGather` gathers the param
 shards themselves in place; :class:`~fxzero.mxfp8.gather.Mxfp8Gather` gathers
@@ -129,7 +134,7 @@ class ParamSync:
         self._next_launch = n  # position in self.order of the next gather to launch
 
     def start(self) -> None:
-        """The step updated every shard: gather them (prefetch the first two, or all and wait)."""
+        """The step updated every shard: gather them (launch all, or launch all and wait)."""
         if self.dp.size == 1 and not self.gather.needs_landing:
             return
         for index in range(len(self.buckets)):
@@ -138,7 +143,7 @@ class ParamSync:
         # Under torch.profiler the gathers finish inside the step: a profiler that stops
         # while gloo work started under it is in flight crashed the next wait (torch 2.13).
         if self.overlap and not profiler_enabled():
-            self._launch_through(1)
+            self._launch_through(len(self.order) - 1)
         else:
             self.finish()
 
@@ -154,10 +159,10 @@ class ParamSync:
         log.debug("launched all-gather of bucket %d", index)
 
     def wait(self, index: int) -> None:
-        """Bucket ``index`` is about to be read: make it current, prefetch the next."""
+        """Bucket ``index`` is about to be read: make it current (launching it and, to
+        overlap the compute that reads it, the next one, if not launched yet)."""
         if not self._stale[index]:
             return
-        # this bucket, and the next one (the prefetch, overlapping the compute that reads this one)
         self._launch_through(self._position[index] + 1)
         work = self._works[index]
         if work is not None:

@@ -6,8 +6,8 @@ brings it has no way to ask. This trains the model with fxzero as a user would
 (``DistributedOptimizer(..., module=model)`` and ``torch.compile(backend="fxzero")``)
 on N gloo ranks, each on its slice of every global batch, and compares it with plain
 single-process eager training on the whole batch, step by step, against the noise
-floor of eager training itself. It also reruns fxzero without prefetching param
-gathers (the results must be bitwise identical) and checks that all ranks hold the
+floor of eager training itself. It also reruns fxzero with param gathers
+overlapping the forward (opt-in; the results must be bitwise identical) and checks that all ranks hold the
 same params. Modules in ``plan`` decide, ``reference`` and ``ranks`` run, ``report``
 compares and judges, ``report_format`` prints.
 

@@ -126,7 +126,7 @@ def train_rank(task: RankTask) -> RankRun:
         if record and step > 0:
             # The params after the previous step, read once this forward has waited for
             # every bucket's gather: reading them right after step() would need
-            # finish_param_sync(), which would leave the forward nothing to prefetch.
+            # finish_param_sync(), which would leave the forward no gather to wait for.
             snapshots.append(param_snapshot(model))
         if opt.step().skipped:
             skipped.append(step + 1)

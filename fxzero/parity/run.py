@@ -3,8 +3,9 @@
 Order: everything that can fail on the user's input (model, batches, optimizer, the
 loss's shape) fails first, in this process, before any rank starts. The reference and
 its noise floor train copies of the model (the caller's model is never changed); the
-ranks train with prefetching param gathers (``overlap_param_gather=True``, fxzero's
-default) and again without, and the two must agree bitwise.
+ranks train with param gathers overlapping the forward (``overlap_param_gather=True``,
+opt-in, the mode with more to get wrong) and again with the default (off), and the two
+must agree bitwise.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """Forward pass: wait for each bucket's param all-gather right before its first read.
 
-After ``step()`` the param all-gathers are in flight (prefetched one bucket ahead). In
-a compiled forward graph this pass
+With ``Config.overlap_param_gather`` the param all-gathers are still in flight when
+``step()`` returns. In a compiled forward graph this pass
 
 1. plans, per bucket, the first node (graph order) that reads any of its params, as
    plain data (:func:`plan_waits`);
 2. inserts ``fxzero::wait_params(params)`` right before it, ``params`` being this
-   graph's inputs of that bucket; the op waits for the bucket's gather (lands it) and
-   launches the next bucket's (the prefetch chain).
+   graph's inputs of that bucket; the op waits for the bucket's gather and lands it
+   (a no-op when the step already did, overlap off).
 
 The order is a data dependency, not a lucky schedule: the op's schema declares that it
 **writes** ``params`` (``Tensor(a!)[]``), so a compiler must keep every read of them that
