@@ -4,7 +4,7 @@ as a torch.compile backend.
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
 """
 
-from . import mxfp8, ops  # ops: defines the fxzero:: custom ops that compiled graphs call
+from . import mxfp8, ops  # noqa: F401  ops: defines the fxzero:: custom ops that compiled graphs call
 from ._torch_compat import register_torch_log
 from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, default_bucket_size

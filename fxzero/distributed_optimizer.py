@@ -316,18 +316,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` saved on this rank, or a plain ``torch.optim`` state
-        dict of the same optimizer class (a run without fxzero: each rank takes its shard)."""
-        if is_plain_state_dict(state_dict):
-            self._load_plain(state_dict)
-            return
-        check_state_dict(state_dict, self.dp, layout_key(self.buffers), len(self.param_groups))
+        dict of the same optimizer class (a run without fxzero: each rank takes its shard).
+        Collective (the params are gathered afterwards): every rank loads, or, if any rank's
+        state dict is wrong, every rank raises, naming that rank's problem."""
+        plain = is_plain_state_dict(state_dict)
+        problem, states = None, []
+        try:
+            if plain:
+                states = plain_fragment_states(state_dict, self.param_table, self.fragments)
+            else:
+                check_state_dict(state_dict, self.dp, layout_key(self.buffers), len(self.param_groups))
+        except (ValueError, KeyError, TypeError) as err:
+            problem = str(err)
+        self.dp.agree(problem, "load_state_dict")
         with self.replacing_state():
-            self.local.load_state_dict(state_dict["local"])
+            if plain:
+                self.load_fragment_states(states)
+            else:
+                self.local.load_state_dict(state_dict["local"])
+                separate = [s for s in self.shards if not s.main_is_param]
+                for shard, saved in zip(separate, state_dict["main_shards"]):
+                    shard.main.copy_(saved)
             for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-                group.update(saved)
-            separate = [s for s in self.shards if not s.main_is_param]
-            for shard, saved in zip(separate, state_dict["main_shards"]):
-                shard.main.copy_(saved)
+                group.update(hyperparameters(saved))
 
     def consolidated_state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in plain ``torch.optim`` format, on every rank
@@ -341,13 +352,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for g, group in enumerate(self.param_groups)
         ]
         return {"state": state, "param_groups": groups}
-
-    def _load_plain(self, state_dict: dict[str, Any]) -> None:
-        states = plain_fragment_states(state_dict, self.param_table, self.fragments)
-        with self.replacing_state():
-            self.load_fragment_states(states)
-            for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-                group.update(hyperparameters(saved))
 
     # ---- the state API checkpoints use (load_state_dict uses it too) -------------
     @contextlib.contextmanager

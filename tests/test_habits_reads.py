@@ -121,3 +121,27 @@ def test_rank0_only_reads_then_a_collective_do_not_hang(overlap: bool) -> None:
     launched every gather on every rank, so rank 0's wait needs nothing more from its peer)."""
     sums = run_ranks(2, _rank0_reads, overlap, timeout=60)
     assert sums[0] == sums[1]
+
+
+def _resume_every_rank_from_rank0s_file() -> str:
+    rank = dist.get_rank()
+    model = build("gpt")
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, config=fxzero.Config(bucket_size=2000))
+    x, y = batch("gpt", 0, 4)
+    loss_fn("gpt", model(x), y).backward()
+    opt.step()
+    saved = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(saved, group_src=0)  # what every rank reads back from rank 0's file
+    try:
+        opt.load_state_dict(saved[0])
+    except ValueError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_resuming_every_rank_from_a_rank0_only_optimizer_file_fails_on_every_rank() -> None:
+    """Rank 1 cannot take rank 0's shard; rank 0 could, but must not go on to gather params its
+    peer will never send: both raise, rank 0 naming rank 1's problem."""
+    errors = run_ranks(2, _resume_every_rank_from_rank0s_file, timeout=60)
+    assert "saved on rank 0 of 2, loading on rank 1 of 2" in errors[1] and "save_checkpoint" in errors[1]
+    assert errors[0].startswith("load_state_dict failed on rank(s) [1]") and "saved on rank 0" in errors[0]

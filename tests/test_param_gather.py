@@ -9,7 +9,6 @@ reference at once.
 from __future__ import annotations
 
 import contextlib
-import re
 from unittest import mock
 
 import pytest

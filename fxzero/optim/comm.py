@@ -143,3 +143,20 @@ class DataParallelGroup:
                 f"fxzero: rank {self.rank} of {self.size} failed waiting for the {what}{where}: {err}. "
                 "A peer rank probably died or stopped answering; this process group cannot be used any more."
             ) from err
+
+    def agree(self, problem: Optional[str], what: str) -> None:
+        """Raise on every rank if ``problem`` is set on any (collective, for rare paths such as
+        loading state): a rank that found its input wrong raises with its own ``problem``, the
+        others with an error naming it. Without this, the failing rank raised alone and its
+        peers blocked in the next collective (a load's param gathers) until the timeout."""
+        if self.size == 1:
+            if problem is not None:
+                raise ValueError(problem)
+            return
+        problems: list[Optional[str]] = [None] * self.size
+        dist.all_gather_object(problems, problem, group=self.group)
+        failed = [r for r, p in enumerate(problems) if p is not None]
+        if problem is not None:
+            raise ValueError(problem)
+        if failed:
+            raise ValueError(f"{what} failed on rank(s) {failed} (rank {failed[0]}: {problems[failed[0]]}); nothing was loaded")

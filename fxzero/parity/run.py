@@ -30,7 +30,6 @@ from .plan import (
     normalize_batch,
     split_batch,
     tolerance,
-    trainable_params,
 )
 from .ranks import ModelSource, RankRun, RankTask, train_rank
 from .reference import Trainer, Trace, run_references
