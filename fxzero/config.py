@@ -116,9 +116,19 @@ class Config:
     differently still start from one model. ``False`` keeps each rank's values (the
     cross-rank check that every rank lays out the same params runs either way)."""
 
+    elementwise_optimizer: bool = False
+    """State that the wrapped optimizer class updates each element of a param from that
+    element's own gradient and state only (as Adam, SGD and Lion do), so fxzero may hand it
+    1-D fragments of params. torch.optim's elementwise classes are known and need no
+    statement (``fxzero.optim.validation.ELEMENTWISE_OPTIMIZERS``); any other class is
+    refused unless this is True, because an update that reads a param's shape (Adafactor,
+    Muon, LAMB's trust ratio) would run on fragments without an error and compute
+    something else."""
+
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
-        flags = ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync")
+        flags = ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
+                 "elementwise_optimizer")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")

@@ -61,7 +61,7 @@ from .optim.shards import FragmentTensor, build_shards
 from .optim.step_result import StepResult, warn_no_gradients
 from .optim.state_dict import STATE_FORMAT, check_state_dict, hyperparameters, is_plain_state_dict, layout_key
 from .optim.state_dict import consolidated_state, plain_fragment_states
-from .optim.validation import check_first_order, check_group_keys, check_leaves, check_managed_params
+from .optim.validation import check_elementwise, check_group_keys, check_leaves, check_managed_params
 from .optim.validation import check_optimizer_kwargs, layout_order
 
 __all__ = ["DistributedOptimizer", "StepResult"]
@@ -101,6 +101,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.config = config if config is not None else Config()
         if not isinstance(self.config, Config):
             raise TypeError(f"config must be a fxzero.Config, got {type(self.config).__name__}")
+        check_elementwise(optimizer_class, self.config.elementwise_optimizer)
         self.dp = DataParallelGroup.resolve(process_group, self.config.grad_collective)
         self._constructing = True
         super().__init__(params, defaults={})
@@ -112,7 +113,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for name, value in self.defaults.items():
                 group.setdefault(name, value)
         params = check_managed_params(self.param_groups)
-        check_first_order(optimizer_class)
         self.optimizer_class = optimizer_class
         layout = layout_order(params, module, len(self.param_groups))
         names = param_names(self.param_groups, module)

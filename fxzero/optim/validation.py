@@ -16,6 +16,8 @@ from typing import Any, Optional, Sequence
 import torch
 
 __all__ = [
+    "ELEMENTWISE_OPTIMIZERS",
+    "check_elementwise",
     "check_first_order",
     "check_group_keys",
     "check_leaves",
@@ -137,6 +139,39 @@ def check_first_order(optimizer_class: type) -> None:
             "optimizer (each rank updates 1/dp of every param), so it cannot run it. Use "
             f"{optimizer_class.__name__} with the plain model (or DDP), or a first-order optimizer (SGD, Adam, AdamW)."
         )
+
+
+ELEMENTWISE_OPTIMIZERS = tuple(
+    getattr(torch.optim, name)
+    for name in ("Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD")
+)
+"""The classes whose update of each element reads only that element's gradient and state
+(plus per-param scalars that depend on the step count alone), so updating 1-D fragments of
+a param gives bitwise the same values as updating the param (``tests/test_optim_db.py`` runs
+torch's own table of their configurations)."""
+
+
+def check_elementwise(optimizer_class: type, declared: bool) -> None:
+    """fxzero hands the wrapped optimizer 1-D fragments of params (each rank 1/dp of each
+    param). An update that reads a param's shape or combines its elements (Adafactor's
+    factored second moment, Muon's orthogonalization, LAMB's and LARS's per-param trust
+    ratios) would silently train a different optimizer on fragments, so any class not known
+    to be elementwise is refused unless the user states that it is. Subclasses count as
+    unknown: their ``step`` may differ."""
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    check_first_order(optimizer_class)
+    if optimizer_class in ELEMENTWISE_OPTIMIZERS or declared:
+        return
+    known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+    raise ValueError(
+        f"{optimizer_class.__module__}.{optimizer_class.__qualname__} is not one of the optimizers fxzero knows to update "
+        f"each element from that element's own gradient and state ({known}). fxzero gives the wrapped optimizer 1-D "
+        "fragments of params, so an optimizer whose update reads a param's shape or combines its elements "
+        "(Adafactor, Muon, Shampoo, LAMB, LARS) would silently compute something else; whole-param ownership "
+        "for such optimizers is not built yet. Use it without fxzero (DDP or ZeroRedundancyOptimizer), or, if "
+        f"{optimizer_class.__name__} is elementwise (Lion is, say), state it: fxzero.Config(elementwise_optimizer=True)."
+    )
 
 
 def check_leaves(group: dict[str, Any], group_index: int) -> None:
