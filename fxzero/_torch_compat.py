@@ -24,6 +24,7 @@ __all__ = [
     "compile_id",
     "current_graph_task_id",
     "dynamo_input_names",
+    "engine_accumulates_all",
     "foreach_add_",
     "foreach_mul_",
     "foreach_norm",
@@ -33,6 +34,7 @@ __all__ = [
     "inductor_partition",
     "inductor_post_grad_pass",
     "inductor_pre_grad_passes",
+    "leaf_gradient_uses",
     "plain_torch_function",
     "process_group_store",
     "process_group_timeout",
@@ -270,6 +272,41 @@ def will_engine_execute_node(node: Any) -> bool:
     a pre-hook on the node that marks it as run, checked at the end of backward.
     """
     return torch._C._will_engine_execute_node(node) or torch._C._current_autograd_node() is node
+
+
+def engine_accumulates_all(nodes: Sequence[Any]) -> bool:
+    """Whether the backward running now executes every one of the ``AccumulateGrad``
+    ``nodes`` (a plain ``.backward()`` does; the fast question asked per hand-off).
+    ``torch._C._will_engine_execute_node``, see :func:`leaf_gradient_uses`."""
+    try:
+        return all(map(torch._C._will_engine_execute_node, nodes))
+    except RuntimeError:
+        return False
+
+
+def leaf_gradient_uses(nodes: Sequence[Any]) -> tuple[str, ...]:
+    """What the backward running now does with the gradient reaching each ``AccumulateGrad``
+    node in ``nodes``: ``"accumulate"`` (``.backward()``: into ``.grad``), ``"capture"``
+    (``torch.autograd.grad(..., inputs=[that param])`` returns it) or ``"skip"`` (this
+    backward does not reach the param: ``autograd.grad`` w.r.t. other inputs, or
+    ``backward(inputs=...)`` without it).
+
+    What for: fxzero's compiled backward hands param gradients to the optimizer's buffers
+    itself; ``autograd.grad`` must not touch them. Uses ``torch._C._will_engine_execute_node``,
+    which answers True/False for executed/skipped nodes and raises (torch 2.13: "A leaf node
+    was passed to _will_engine_execute_node but we are currently running autograd.grad()")
+    for a captured leaf. If torch changes that: ``torch.autograd.graph.register_multi_grad_hook``'s
+    own bookkeeping, or a tensor pre-hook (captured gradients pass through those)."""
+    return tuple(map(_leaf_gradient_use, nodes))
+
+
+def _leaf_gradient_use(node: Any) -> str:
+    try:
+        return "accumulate" if torch._C._will_engine_execute_node(node) else "skip"
+    except RuntimeError as error:
+        if "autograd.grad" not in str(error):
+            raise
+        return "capture"
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:
