@@ -139,6 +139,21 @@ def test_bad_hand_gradient_names_the_param() -> None:
         opt.step()
 
 
+def test_hand_gradient_assigned_before_a_compiled_backward() -> None:
+    """Kept for step() when that backward does not reach the param, as torch.optim would use
+    it (the end of backward put the param's view over it)."""
+    torch._dynamo.reset()
+    model = build("mlp_branch")
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=1.0, module=model)
+    forward = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    x, y = batch("mlp", 0, GLOBAL)
+    start = model.extra.weight.detach().clone()
+    model.extra.weight.grad = torch.ones_like(start)
+    loss_fn("mlp", forward(x), y).backward()  # the extra layer is not used
+    opt.step()
+    assert torch.equal(model.extra.weight.detach(), start - 1.0)
+
+
 def _dcp_init_then_train() -> dict[str, torch.Tensor]:
     model, opt = _fxzero()
     before = _params(model)
@@ -208,6 +223,8 @@ def test_autograd_grad_wrt_inputs_leaves_the_buffers_alone(compile_with: str | N
     its buckets launched)."""
     ((exact, close),) = run_ranks(1, _saliency_side_by_side, compile_with)
     assert exact or (compile_with == "inductor" and close)
+    if compile_with == "inductor":
+        return  # Inductor compiles cost ~25 s each here; the 2-rank run is the eager one's
     reference = _trained_reference()
     for result in run_ranks(2, _with_input_grads, compile_with, 2):
         for name, value in reference.items():

@@ -271,9 +271,14 @@ class GradViews:
         """Raises the clear error when a view no longer fits its param (the model was cast)."""
 
     def install(self) -> None:
-        """Backward finished: every managed param's ``.grad`` becomes its view."""
+        """Backward finished: every managed param's ``.grad`` becomes its view, except a
+        gradient assigned by hand before a backward that did not reach its param (kept for
+        ``step()``, as torch.optim would use it)."""
+        views = self.views
+        if not all(map(operator.is_, map(_GRAD, self.params), self._nones)):
+            views = tuple(view if p.grad is None else p.grad for p, view in zip(self.params, self.views))
         try:
-            for param, view in zip(self.params, self.views):
+            for param, view in zip(self.params, views):
                 param.grad = view
         except RuntimeError:
             self._explain_failure()
