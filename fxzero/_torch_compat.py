@@ -275,9 +275,8 @@ def will_engine_execute_node(node: Any) -> bool:
 
 
 def engine_accumulates_all(nodes: Sequence[Any]) -> bool:
-    """Whether the backward running now executes every one of the ``AccumulateGrad``
-    ``nodes`` (a plain ``.backward()`` does; the fast question asked per hand-off).
-    ``torch._C._will_engine_execute_node``, see :func:`leaf_gradient_uses`."""
+    """Whether the running backward executes every ``AccumulateGrad`` node in ``nodes`` (a
+    plain ``.backward()`` does): the fast form of :func:`leaf_gradient_uses`."""
     try:
         return all(map(torch._C._will_engine_execute_node, nodes))
     except RuntimeError:
@@ -285,18 +284,13 @@ def engine_accumulates_all(nodes: Sequence[Any]) -> bool:
 
 
 def leaf_gradient_uses(nodes: Sequence[Any]) -> tuple[str, ...]:
-    """What the backward running now does with the gradient reaching each ``AccumulateGrad``
-    node in ``nodes``: ``"accumulate"`` (``.backward()``: into ``.grad``), ``"capture"``
-    (``torch.autograd.grad(..., inputs=[that param])`` returns it) or ``"skip"`` (this
-    backward does not reach the param: ``autograd.grad`` w.r.t. other inputs, or
-    ``backward(inputs=...)`` without it).
+    """Per ``AccumulateGrad`` node, what the running backward does with its gradient:
+    ``"accumulate"`` (``.backward()``), ``"capture"`` (``autograd.grad(..., inputs=[it])``)
+    or ``"skip"`` (not reached: ``autograd.grad`` w.r.t. others, ``backward(inputs=...)``).
 
-    What for: fxzero's compiled backward hands param gradients to the optimizer's buffers
-    itself; ``autograd.grad`` must not touch them. Uses ``torch._C._will_engine_execute_node``,
-    which answers True/False for executed/skipped nodes and raises (torch 2.13: "A leaf node
-    was passed to _will_engine_execute_node but we are currently running autograd.grad()")
-    for a captured leaf. If torch changes that: ``torch.autograd.graph.register_multi_grad_hook``'s
-    own bookkeeping, or a tensor pre-hook (captured gradients pass through those)."""
+    What for: ``autograd.grad`` must not touch fxzero's buffers. ``torch._C._will_engine_execute_node``
+    answers True/False and raises for a captured leaf ("... currently running autograd.grad()",
+    torch 2.13). If that changes: a tensor pre-hook (captured gradients pass through those)."""
     return tuple(map(_leaf_gradient_use, nodes))
 
 
