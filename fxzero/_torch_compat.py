@@ -24,6 +24,7 @@ __all__ = [
     "compile_id",
     "current_graph_task_id",
     "dynamo_input_names",
+    "engine_accumulates_all",
     "foreach_add_",
     "foreach_mul_",
     "foreach_norm",
@@ -33,6 +34,7 @@ __all__ = [
     "inductor_partition",
     "inductor_post_grad_pass",
     "inductor_pre_grad_passes",
+    "leaf_gradient_uses",
     "plain_torch_function",
     "process_group_store",
     "process_group_timeout",
@@ -270,6 +272,35 @@ def will_engine_execute_node(node: Any) -> bool:
     a pre-hook on the node that marks it as run, checked at the end of backward.
     """
     return torch._C._will_engine_execute_node(node) or torch._C._current_autograd_node() is node
+
+
+def engine_accumulates_all(nodes: Sequence[Any]) -> bool:
+    """Whether the running backward executes every ``AccumulateGrad`` node in ``nodes`` (a
+    plain ``.backward()`` does): the fast form of :func:`leaf_gradient_uses`."""
+    try:
+        return all(map(torch._C._will_engine_execute_node, nodes))
+    except RuntimeError:
+        return False
+
+
+def leaf_gradient_uses(nodes: Sequence[Any]) -> tuple[str, ...]:
+    """Per ``AccumulateGrad`` node, what the running backward does with its gradient:
+    ``"accumulate"`` (``.backward()``), ``"capture"`` (``autograd.grad(..., inputs=[it])``)
+    or ``"skip"`` (not reached: ``autograd.grad`` w.r.t. others, ``backward(inputs=...)``).
+
+    What for: ``autograd.grad`` must not touch fxzero's buffers. ``torch._C._will_engine_execute_node``
+    answers True/False and raises for a captured leaf ("... currently running autograd.grad()",
+    torch 2.13). If that changes: a tensor pre-hook (captured gradients pass through those)."""
+    return tuple(map(_leaf_gradient_use, nodes))
+
+
+def _leaf_gradient_use(node: Any) -> str:
+    try:
+        return "accumulate" if torch._C._will_engine_execute_node(node) else "skip"
+    except RuntimeError as error:
+        if "autograd.grad" not in str(error):
+            raise
+        return "capture"
 
 
 def queue_end_of_backward(callback: Callable[[], None]) -> None:

@@ -171,7 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             param._fxzero_owner = weakref.ref(self)
         self.grad_sync.install_hooks()
         weakref.finalize(self, self.grad_sync.remove_hooks)
-        weakref.finalize(self, self.grad_views.clear)
+        weakref.finalize(self, self.grad_views.remove)
 
     def _build_gather(self) -> Gather:
         """The one place the gather is chosen: ``optim`` defines the protocol, ``mxfp8`` implements one."""
@@ -204,7 +204,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> StepResult:  # type: ignore[override]
         """Finish grad reduce-scatters, update this rank's shards, gather params.
-        The gradients are consumed: the next backward starts from zero."""
+        The gradients are consumed: the next backward starts from zero. A tensor assigned to
+        ``p.grad`` is used as is, not averaged, as under DDP (:mod:`fxzero.optim.hand_grads`)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -212,7 +213,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.param_sync.finish()  # a bucket the forward never read may still be gathering
         self.param_watch.check()
         self.param_watch.adopt_outside_writes()
-        dropped = self.grad_views.collect()
+        dropped, hand = self.grad_views.collect()
+        self.reduced.use_as_is(hand)
         result = self._update(dropped, loss)
         self._zero_grads()
         return result

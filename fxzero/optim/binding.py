@@ -36,6 +36,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .grad_sync import GradSync
+from .grad_use import GradientUses, grad_accumulator
 from .ledger import Ledger
 from .param_sync import ParamSync
 from .param_table import ParamTable
@@ -86,11 +87,25 @@ class _Group:
     span: Optional[slice]
     """``slice(first, last + 1)`` when the slots are consecutive (marked present by one
     memcpy into the ledger's flags; otherwise one ``index_fill_``)."""
+    nodes: tuple[Any, ...]
+    """The params' ``AccumulateGrad`` nodes: what the engine is asked whether this backward
+    accumulates their gradients (:mod:`fxzero.optim.grad_use`)."""
+    labels: tuple[str, ...]
 
 
 def identity(params: Sequence[Any]) -> tuple[int, ...]:
     """The whole identity of a param sequence: every param's ``id``, in order."""
     return tuple(map(id, params))
+
+
+def captured_message(label: str) -> str:
+    return (
+        f"fxzero: torch.autograd.grad asked for the gradient of param {label} through a graph compiled with "
+        "backend='fxzero', whose backward hands managed params' gradients to the optimizer's buffers, not to "
+        "autograd. Use loss.backward() and read p.grad (norms and clipping work on it), or compute such "
+        "gradients with the model compiled by plain torch.compile or run eagerly. autograd.grad with respect "
+        "to inputs that are not managed params (a gradient penalty, input saliency) works."
+    )
 
 
 def not_a_param_message(value: Any) -> str:
@@ -114,6 +129,7 @@ class GraphBinding:
         self._grad_groups: dict[tuple[int, ...], tuple[_Group, ...]] = {}
         self._wait_buckets: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._counts: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
+        self.uses = GradientUses()
 
     # ---- compile time -------------------------------------------------------------
     def describe(self, inputs: Sequence[Any]) -> InputBinding:
@@ -148,7 +164,20 @@ class GraphBinding:
             groups = self._grad_groups[key] = self._grad_groups_of(params)
         for group in groups:
             mine = grads if group.indices is None else [grads[i] for i in group.indices]
-            self.grad_sync.add_compiled(group.bucket, group.main_grads, mine, group.slots, group.span)
+            uses = self.uses.of(group, group.nodes)
+            if uses is None:  # loss.backward(): all of them
+                self.grad_sync.add_compiled(group.bucket, group.main_grads, mine, group.slots, group.span)
+            else:
+                self._not_all_accumulated(group, mine, uses)
+
+    def _not_all_accumulated(self, group: _Group, grads: Sequence[torch.Tensor], uses: Sequence[str]) -> None:
+        """``autograd.grad`` (nothing accumulates) or ``backward(inputs=...)`` (some do)."""
+        if "capture" in uses:
+            raise RuntimeError(captured_message(group.labels[uses.index("capture")]))
+        keep = [k for k, use in enumerate(uses) if use == "accumulate"]
+        if keep:
+            main_grads, mine = [group.main_grads[k] for k in keep], [grads[k] for k in keep]
+            self.grad_sync.add_compiled(group.bucket, main_grads, mine, group.slots[keep], None)
 
     def _grad_groups_of(self, params: Sequence[torch.Tensor]) -> tuple[_Group, ...]:
         by_bucket: dict[int, list[int]] = {}
@@ -161,7 +190,9 @@ class GraphBinding:
             consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
             span = slice(slots[0], slots[0] + len(slots)) if consecutive else None
             main_grads = [params[i].main_grad for i in indices]
-            groups.append(_Group(bucket, None if whole else tuple(indices), main_grads, torch.tensor(slots), span))
+            nodes = tuple(grad_accumulator(params[i]) for i in indices)
+            labels = tuple(self.table.label(slot) for slot in slots)
+            groups.append(_Group(bucket, None if whole else tuple(indices), main_grads, torch.tensor(slots), span, nodes, labels))
         return tuple(groups)
 
     # ---- fxzero::wait_params --------------------------------------------------------

@@ -21,17 +21,25 @@ shards of every rank:
 Anything else raises an error that names the param and says what is supported,
 rather than silently reading nothing. ``step()`` and ``zero_grad()`` take the views
 back (``p.grad`` is ``None`` again), so a next backward never accumulates into one.
+
+A tensor assigned to ``p.grad`` instead (before or after a backward) is a gradient made
+by hand: ``step()`` uses it as is, **not averaged over ranks**, as DDP does
+(:mod:`fxzero.optim.hand_grads`; all-reduce it yourself if ranks compute different
+ones). The ``_foreach`` and ``GradScaler`` ops above take lists mixing views with such
+tensors: the tensors get the real op.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from typing import Any, Callable, Sequence
 
 import torch
 
 from .._torch_compat import gradient_ops, plain_torch_function, storageless_like
+from .hand_grads import HandGrad, check_hand_grad
 from .param_table import ParamTable
 from .reduced_grads import ReducedGrads
 
@@ -117,9 +125,7 @@ def _first_view(items: Any) -> ShardedGrad:
     raise TypeError("no ShardedGrad among the arguments")
 
 
-def _owner_and_slots(views: Sequence[Any]) -> tuple[ReducedGrads, list[int]]:
-    if not all(isinstance(v, ShardedGrad) for v in views):
-        raise RuntimeError(f"fxzero: {_first_view(views)._label()}: it cannot be mixed with ordinary tensors in one call")
+def _owner_and_slots(views: Sequence[ShardedGrad]) -> tuple[ReducedGrads, list[int]]:
     owners = {id(v._owner()) for v in views}
     if len(owners) > 1:
         raise RuntimeError("fxzero: gradients of params of different DistributedOptimizers in one call")
@@ -149,9 +155,23 @@ def _tensor_norm(view: ShardedGrad, p: Any = "fro", dim: Any = None, keepdim: bo
     return _vector_norm(view, p, dim)
 
 
-def _foreach_norm(views: Sequence[Any], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:
-    grads, slots = _owner_and_slots(views)
-    return [_norm_tensor(v, value) for v, value in zip(views, grads.norms(slots, _order(ord)))]
+def _split(tensors: Sequence[Any]) -> tuple[list[int], list[int]]:
+    """Positions of the views and of the other tensors (gradients assigned by hand) in a list."""
+    views = [i for i, t in enumerate(tensors) if isinstance(t, ShardedGrad)]
+    return views, sorted(set(range(len(tensors))) - set(views))
+
+
+def _foreach_norm(tensors: Sequence[Any], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:
+    views, plain = _split(tensors)
+    out: list[Any] = [None] * len(tensors)
+    if views:
+        grads, slots = _owner_and_slots([tensors[i] for i in views])
+        for i, value in zip(views, grads.norms(slots, _order(ord))):
+            out[i] = _norm_tensor(tensors[i], value)
+    if plain:
+        for i, norm in zip(plain, _OPS["foreach_norm"]([tensors[i] for i in plain], ord, dtype=dtype)):
+            out[i] = norm
+    return out
 
 
 def _factor(view: ShardedGrad, other: Any) -> float:
@@ -174,18 +194,26 @@ def _div_(view: ShardedGrad, other: Any) -> ShardedGrad:
     return view
 
 
-def _foreach_mul_(views: Sequence[Any], other: Any) -> None:
-    grads, slots = _owner_and_slots(views)
-    if isinstance(other, (list, tuple)):
-        for slot, view, factor in zip(slots, views, other):
-            grads.scale([slot], _factor(view, factor))
-    else:
-        grads.scale(slots, _factor(views[0], other))
+def _foreach_scaling(op: str, invert: bool) -> Callable[[Sequence[Any], Any], None]:
+    """``_foreach_mul_`` / ``_foreach_div_``: views record the factor, other tensors get the real op."""
 
+    def handler(tensors: Sequence[Any], other: Any) -> None:
+        views, plain = _split(tensors)
+        per_tensor = isinstance(other, (list, tuple))
+        if plain:
+            _OPS[op]([tensors[i] for i in plain], [other[i] for i in plain] if per_tensor else other)
+        if not views:
+            return
+        grads, slots = _owner_and_slots([tensors[i] for i in views])
+        factors = [_factor(tensors[i], other[i] if per_tensor else other) for i in views]
+        factors = [1.0 / f for f in factors] if invert else factors
+        if per_tensor:
+            for slot, factor in zip(slots, factors):
+                grads.scale([slot], factor)
+        else:
+            grads.scale(slots, factors[0])
 
-def _foreach_div_(views: Sequence[Any], other: Any) -> None:
-    factors = [1.0 / _factor(v, o) for v, o in zip(views, other)] if isinstance(other, (list, tuple)) else None
-    _foreach_mul_(views, factors if factors is not None else 1.0 / _factor(views[0], other))
+    return handler
 
 
 def _zero_(view: ShardedGrad) -> ShardedGrad:
@@ -198,9 +226,15 @@ def _itself(view: ShardedGrad, *args: Any, **kwargs: Any) -> ShardedGrad:
     return view
 
 
-def _unscale(views: Sequence[Any], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
-    """GradScaler's unscale + inf check, over every rank's shards of ``views``."""
-    grads, slots = _owner_and_slots(views)
+def _unscale(tensors: Sequence[Any], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """GradScaler's unscale + inf check, over every rank's shards of the views (the real
+    op on gradients assigned by hand)."""
+    views, plain = _split(tensors)
+    if plain:
+        _OPS["amp_unscale"]([tensors[i] for i in plain], found_inf, inv_scale)
+    if not views:
+        return
+    grads, slots = _owner_and_slots([tensors[i] for i in views])
     if not all(math.isfinite(n) for n in grads.norms(slots)):
         found_inf.fill_(1.0)
     grads.scale(slots, float(inv_scale))
@@ -214,8 +248,8 @@ _HANDLERS: dict[Any, Callable[..., Any]] = {
     _OPS["foreach_norm"]: _foreach_norm,
     torch.Tensor.mul_: _mul_,
     torch.Tensor.div_: _div_,
-    _OPS["foreach_mul_"]: _foreach_mul_,
-    _OPS["foreach_div_"]: _foreach_div_,
+    _OPS["foreach_mul_"]: _foreach_scaling("foreach_mul_", invert=False),
+    _OPS["foreach_div_"]: _foreach_scaling("foreach_div_", invert=True),
     torch.Tensor.zero_: _zero_,
     torch.Tensor.requires_grad_: _itself,
     torch.Tensor.detach_: _itself,
@@ -232,46 +266,65 @@ class GradViews:
         self.params = table.params
         self.views = tuple(ShardedGrad(row.param, grads, row.slot, row.label) for row in table.rows)
         self.installed = False
+        self._nones: tuple[ShardedGrad | None, ...] = (None,) * len(self.params)
         self._explain_failure = explain_failure
         """Raises the clear error when a view no longer fits its param (the model was cast)."""
 
     def install(self) -> None:
-        """Backward finished: every managed param's ``.grad`` becomes its view."""
+        """Backward finished: every managed param's ``.grad`` becomes its view, except a
+        gradient assigned by hand before a backward that did not reach its param (kept for
+        ``step()``, as torch.optim would use it)."""
+        views = self.views
+        if not all(map(operator.is_, map(_GRAD, self.params), self._nones)):
+            views = tuple(view if p.grad is None else p.grad for p, view in zip(self.params, self.views))
         try:
-            for param, view in zip(self.params, self.views):
+            for param, view in zip(self.params, views):
                 param.grad = view
         except RuntimeError:
             self._explain_failure()
             raise
         self.installed = True
 
-    def collect(self) -> list[int]:
-        """Take the views back (``.grad`` -> ``None``); return the params whose ``.grad``
-        the user set to ``None`` (their gradients are dropped)."""
-        if not self.installed:
-            return []
-        dropped, replaced = [], []
-        for slot, (param, view) in enumerate(zip(self.params, self.views)):
-            grad = param.grad
-            if grad is not view:
-                (dropped if grad is None else replaced).append(slot)
-            param.grad = None
-        self.installed = False
-        if replaced:
-            raise RuntimeError(
-                f"fxzero: param {self.views[replaced[0]]._name!r}'s .grad was replaced by a tensor after backward. "
-                "Its gradient lives sharded in the optimizer: scale it in place (p.grad.mul_), drop it "
-                "(p.grad = None), or compute the loss so that backward produces the gradient you want."
-            )
-        return dropped
+    def collect(self) -> tuple[list[int], list[HandGrad]]:
+        """Empty every ``.grad`` (the step consumes it); return the params whose view the
+        user set to ``None`` (their gradients are dropped) and the gradients assigned by
+        hand (:mod:`fxzero.optim.hand_grads`), checked. One C-level scan when there are none."""
+        expected = self.views if self.installed else self._nones
+        grads = list(map(_GRAD, self.params))
+        if all(map(operator.is_, grads, expected)):
+            if self.installed:
+                self._empty()
+            return [], []
+        dropped, hand = [], []
+        for slot, (param, grad, mine) in enumerate(zip(self.params, grads, expected)):
+            if grad is None and mine is not None:
+                dropped.append(slot)
+            elif grad is not mine and grad is not None:
+                check_hand_grad(param, grad, self.views[slot]._name, ShardedGrad)
+                hand.append(HandGrad(slot, grad))
+        self._empty()
+        return dropped, hand
 
     def clear(self) -> None:
-        """Gradients were zeroed: ``.grad`` -> ``None`` where it still holds a view."""
-        if self.installed:
-            for param, view in zip(self.params, self.views):
-                if param.grad is view:
-                    param.grad = None
-            self.installed = False
+        """Gradients were zeroed: every ``.grad`` -> ``None`` (views and gradients assigned by
+        hand alike, as torch.optim's ``zero_grad`` does). One C-level scan when all are ``None``."""
+        if self.installed or not all(map(operator.is_, map(_GRAD, self.params), self._nones)):
+            self._empty()
+
+    def _empty(self) -> None:
+        for param in self.params:
+            param.grad = None
+        self.installed = False
+
+    def remove(self) -> None:
+        """The optimizer is gone: ``.grad`` -> ``None`` where it still holds a view, nothing else."""
+        for param, view in zip(self.params, self.views):
+            if param.grad is view:
+                param.grad = None
+        self.installed = False
+
+
+_GRAD = operator.attrgetter("grad")
 
 
 def grad_scaler_state(optimizer: object) -> tuple[float, bool]:

@@ -13,6 +13,11 @@ Scaling is recorded per param (a Python float each) and applied once, by
 :meth:`ReducedGrads.apply` in ``step()``: torch's clipping multiplies every gradient by
 the same factor, which becomes one ``_foreach_mul_`` over the shards; different
 factors per param multiply the fragments.
+
+Gradients assigned by hand (:mod:`fxzero.optim.hand_grads`) are written into this rank's
+fragments as they are (:meth:`ReducedGrads.use_as_is`) after the reductions finished;
+their statistics are this rank's own (present, and ``||g||^2`` of the whole tensor),
+never summed over ranks, and need no collective of their own.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import torch
 from .._torch_compat import foreach_mul_, foreach_norm
 from .comm import DataParallelGroup
 from .grad_sync import GradReductions
+from .hand_grads import HandGrad
 from .ledger import Ledger
 from .shards import BucketShard, FragmentTensor
 
@@ -64,6 +70,7 @@ class ReducedGrads:
         self._finished = False
         self._got: list[float] = []
         self._squares: list[float] = []
+        self._hand: dict[int, float] = {}  # slot -> ||g||^2 of a gradient assigned by hand
         if self._scaled:
             self._scale = [1.0] * self.num_params
             self._scaled = False
@@ -93,6 +100,11 @@ class ReducedGrads:
         self.dp.all_reduce_sum(stats)
         values = stats.tolist()
         self._got, self._squares = values[:n], values[n:]  # got: a count of ranks, 0.0 for none
+        self._count_hand()
+
+    def _count_hand(self) -> None:
+        for slot, square in self._hand.items():
+            self._got[slot], self._squares[slot] = max(self._got[slot], 1.0), square
 
     # ---- reads -------------------------------------------------------------------
     def norms(self, slots: Sequence[int], ord: float = 2.0) -> list[float]:
@@ -165,6 +177,23 @@ class ReducedGrads:
             self._scale[slot] = 1.0
             if self._squares:
                 self._squares[slot] = 0.0
+
+    def use_as_is(self, hand: Sequence[HandGrad]) -> None:
+        """Write gradients assigned by hand into this rank's fragments, not averaged: each
+        rank takes its own shards of the param from its own tensor. They replace whatever
+        backward reduced for those params, and any scale recorded on their views."""
+        if not hand:
+            return
+        self.finish()  # the 16-bit copies and the reductions land before, not over them
+        for slot, grad in hand:
+            flat = grad.detach().reshape(-1)
+            for frag in self._of_slot[slot]:
+                frag.grad.copy_(flat[frag.where.param_offset : frag.where.param_offset + frag.where.numel])
+            self._scale[slot] = 1.0
+            self._hand[slot] = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
+        self.ledger.written = True  # the grad buffers need zeroing after the step
+        if self._squares:  # measured already (a clip or GradScaler before the assignment)
+            self._count_hand()
 
     def apply(self, factor: float = 1.0) -> None:
         """Multiply every gradient by its recorded scale times ``factor``."""
