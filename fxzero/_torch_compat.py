@@ -20,6 +20,7 @@ import torch.nn as nn
 __all__ = [
     "DcpCheckpointable",
     "InductorCompilers",
+    "active_ddp_module",
     "aot_autograd",
     "batch_norm_base",
     "called_from_torch_checkpoint",
@@ -352,6 +353,21 @@ def process_group_store(group: Optional[dist.ProcessGroup]) -> dist.Store:
     from torch.distributed.distributed_c10d import _get_process_group_store
 
     return _get_process_group_store(group if group is not None else dist.group.WORLD)
+
+
+def active_ddp_module() -> Optional[nn.Module]:
+    """The ``DistributedDataParallel`` whose forward is running, if any.
+
+    What for: a model whose params fxzero manages must not also be wrapped in DDP (HF
+    Trainer and Accelerate wrap it under torchrun): DDP would all-reduce every gradient
+    fxzero already reduce-scatters. fxzero's forward pre-hook asks this and refuses.
+    Uses ``DistributedDataParallel._get_active_ddp_module()`` (what Dynamo's DDPOptimizer
+    asks; set around the wrapped module's forward by the C++ reducer's DDP). If torch drops
+    it: look for a ``DistributedDataParallel`` among ``gc.get_referrers(module)`` at construction.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module()
 
 
 def called_from_torch_checkpoint(depth: int = 6) -> bool:

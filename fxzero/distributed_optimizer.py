@@ -49,6 +49,7 @@ from .mxfp8.gather import Mxfp8Gather
 from .optim.binding import GraphBinding, InputBinding
 from .optim.buffers import build_buffers
 from .optim.comm import DataParallelGroup
+from .optim.ddp_guard import refuse_ddp
 from .optim.grad_sync import GradReductions, GradSync
 from .optim.grad_views import GradViews, grad_scaler_state
 from .optim.initial_broadcast import broadcast_initial_state
@@ -133,7 +134,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = self.param_table.params
         self._build_runtime(overlap)
         if module is not None:
-            handles = install_param_waits(module, self.param_table, self.param_sync)
+            handles = [*install_param_waits(module, self.param_table, self.param_sync), module.register_forward_pre_hook(refuse_ddp)]
             weakref.finalize(self, _remove_handles, handles)
 
     # ---- construction -----------------------------------------------------------
