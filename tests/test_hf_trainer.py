@@ -97,3 +97,12 @@ def test_accelerate_with_the_optimizer_and_loader_prepared_trains_like_ddp(recip
 @pytest.mark.timeout(300)
 def test_accelerate_preparing_the_model_is_refused_naming_the_fix(recipe: dict) -> None:
     assert "accelerator.prepare(opt, dl)" in recipe["accelerate_prepared_model"]
+
+
+def test_torch_compile_backend_fxzero_is_refused_by_accelerate_and_trainers_default_is_fused_adamw(tmp_path: Path) -> None:
+    from accelerate.utils import TorchDynamoPlugin
+    from transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match="'FXZERO' is not a valid DynamoBackend"):
+        TorchDynamoPlugin(backend="fxzero")  # what TrainingArguments(torch_compile_backend="fxzero") builds
+    assert TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none").optim == "adamw_torch_fused"

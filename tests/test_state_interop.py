@@ -217,7 +217,7 @@ def test_a_fresh_optimizer_gets_the_state_adamw_gets() -> None:
     assert _fresh_get_and_set() == (True, True)
 
 
-def _one_element_rank_state() -> tuple[int, bool]:
+def _one_element_rank_state() -> tuple[int, bool, list[str]]:
     """One 2-element param: rank 1's shard is all padding and it holds no state, yet opt.state
     has the same keys on both ranks, so both skip (or both take) torch's collective zero-lr step."""
     torch.manual_seed(0)
@@ -226,12 +226,12 @@ def _one_element_rank_state() -> tuple[int, bool]:
     model(torch.ones(3, 2)).sum().backward()
     opt.step()
     got = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
-    return len(opt.state), int(got["state"]["weight"]["step"]) == 1
+    return len(opt.state), int(got["state"]["weight"]["step"]) == 1, sorted(opt.state[model.weight])
 
 
 @pytest.mark.timeout(120)
-def test_opt_state_has_the_same_keys_on_every_rank() -> None:
-    assert run_ranks(2, _one_element_rank_state, timeout=90) == [(1, True), (1, True)]
+def test_opt_state_has_the_same_keys_on_every_rank_and_this_ranks_piece_of_each() -> None:
+    assert run_ranks(2, _one_element_rank_state, timeout=90) == [(1, True, ["exp_avg", "exp_avg_sq", "step"]), (1, True, [])]
 
 
 def _rank_0_alone_saves() -> bytes:
