@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
 
 import torch
@@ -19,8 +20,10 @@ import torch.nn as nn
 __all__ = [
     "DcpCheckpointable",
     "InductorCompilers",
+    "active_ddp_module",
     "aot_autograd",
     "batch_norm_base",
+    "called_from_torch_checkpoint",
     "compile_id",
     "current_graph_task_id",
     "dynamo_input_names",
@@ -381,6 +384,46 @@ def process_group_store(group: Optional[dist.ProcessGroup]) -> dist.Store:
     from torch.distributed.distributed_c10d import _get_process_group_store
 
     return _get_process_group_store(group if group is not None else dist.group.WORLD)
+
+
+def active_ddp_module() -> Optional[nn.Module]:
+    """The ``DistributedDataParallel`` whose forward is running, if any.
+
+    What for: a model whose params fxzero manages must not also be wrapped in DDP (HF
+    Trainer and Accelerate wrap it under torchrun): DDP would all-reduce every gradient
+    fxzero already reduce-scatters. fxzero's forward pre-hook asks this and refuses.
+    Uses ``DistributedDataParallel._get_active_ddp_module()`` (what Dynamo's DDPOptimizer
+    asks; set around the wrapped module's forward by the C++ reducer's DDP). If torch drops
+    it: look for a ``DistributedDataParallel`` among ``gc.get_referrers(module)`` at construction.
+    """
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel._get_active_ddp_module()
+
+
+def called_from_torch_checkpoint(depth: int = 6) -> bool:
+    """Whether ``torch.distributed.checkpoint`` code is among the ``depth`` callers of the
+    function that asks (e.g. ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
+    ``dcp.save`` of a ``Stateful``). Every public function there is a collective that all
+    ranks call, so the optimizer may answer with a collective export.
+
+    What for: ``DistributedOptimizer.state_dict()`` keeps fxzero's per-rank format for a
+    direct call (a rank-0-only ``torch.save(opt.state_dict())`` must not become a collective)
+    but gives DCP's functions the consolidated plain format they read (per-param state keyed
+    like ``torch.optim``; DCP would take per-rank shards as replicated plain tensors). Uses
+    ``sys._getframe`` (CPython's frames; a caller is told apart by its module's
+    ``__name__``), a few frames deep so a wrapper between (Accelerate's
+    ``AcceleratedOptimizer.state_dict``) still counts. torch offers no hook that says who
+    asks; if frames go: an explicit ``opt.consolidated_state_dict()`` handed to DCP.
+    """
+    frame = sys._getframe(2)  # 0: this function, 1: the asking method, 2: its caller
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 class DcpCheckpointable:

@@ -43,11 +43,13 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from ._torch_compat import called_from_torch_checkpoint
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.binding import GraphBinding, InputBinding
 from .optim.buffers import build_buffers
 from .optim.comm import DataParallelGroup
+from .optim.ddp_guard import refuse_ddp
 from .optim.grad_sync import GradReductions, GradSync
 from .optim.grad_views import GradViews, grad_scaler_state
 from .optim.initial_broadcast import broadcast_initial_state
@@ -56,6 +58,7 @@ from .optim.ledger import Ledger
 from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .optim.param_table import ParamTable, param_names
 from .optim.param_watch import ParamWatch
+from .optim.rank_state import RankState, held_on_any_rank
 from .optim.reduced_grads import ReducedGrads
 from .optim.shards import FragmentTensor, build_shards
 from .optim.step_result import StepResult, warn_no_gradients
@@ -131,7 +134,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.params = self.param_table.params
         self._build_runtime(overlap)
         if module is not None:
-            handles = install_param_waits(module, self.param_table, self.param_sync)
+            handles = [*install_param_waits(module, self.param_table, self.param_sync), module.register_forward_pre_hook(refuse_ddp)]
             weakref.finalize(self, _remove_handles, handles)
 
     # ---- construction -----------------------------------------------------------
@@ -159,6 +162,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """``fragments``: this rank's pieces of the params, each its slot, where it lies in the
         param (``where``) and the fp32 master view the wrapped optimizer steps (``param``)."""
         self.local = self._build_local_optimizer()
+        self._rank_state = RankState(table, self.fragments, self.local)
         self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp)
         self.param_watch = ParamWatch(table, self.shards, self.gather, dp.rank, self.ledger.compiled)
         self.grad_views = GradViews(table, self.reduced, self.param_watch.check)
@@ -236,6 +240,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sync_hyperparameters()
         with grads.hidden(absent):
             self.local.step()
+        self._rank_state.held = True
         self._publish_and_gather()
         return StepResult(skipped=False, grad_norm=norm, loss=loss)
 
@@ -303,8 +308,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.reduced.reset()
 
     # ---- state ------------------------------------------------------------------
+    @property
+    def state(self) -> RankState:  # type: ignore[override]
+        """Each managed param's state as this rank holds it (:mod:`fxzero.optim.rank_state`)."""
+        return self._rank_state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if value:  # torch.optim.Optimizer.__init__ assigns an empty dict
+            raise AttributeError("DistributedOptimizer.state is a read-only view; load state with load_state_dict")
+
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, for a resume at the same world size and layout."""
+        """This rank's state, for a resume at the same world size and layout; not a
+        collective, so one rank alone may save it. Called from ``torch.distributed.checkpoint``
+        (``get/set_optimizer_state_dict``, ``dcp.save``/``load``: collectives every rank calls;
+        caller told apart by its module), it is :meth:`consolidated_state_dict`: the whole
+        state in plain format, what they read and what DCP's dedup of plain tensors keeps right."""
+        if called_from_torch_checkpoint():
+            return self.consolidated_state_dict()
         self.finish_param_sync()
         return {
             "format": STATE_FORMAT,
@@ -366,6 +387,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         yield
         self._publish_and_gather()
         self.finish_param_sync()
+        self._rank_state.held = held_on_any_rank(self.local, self.dp, self.params[0].device)
 
     def fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
         """The wrapped optimizer's state of one of this rank's :attr:`fragments` (AdamW's

@@ -4,11 +4,17 @@
 from __future__ import annotations
 
 import copy
+import io
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 
 import fxzero
 from fxzero.testing import run_ranks
@@ -101,6 +107,16 @@ def test_another_world_sizes_state_dict_points_at_save_checkpoint() -> None:
 
 
 
+def _same_state(got: dict[str, Any], want: dict[str, Any]) -> tuple[bool, bool]:
+    """(every param's state bitwise equal, param groups equal)."""
+    same_state = got["state"].keys() == want["state"].keys() and all(
+        got["state"][i].keys() == want["state"][i].keys()
+        and all(torch.equal(got["state"][i][k], want["state"][i][k]) for k in want["state"][i])
+        for i in want["state"]
+    )
+    return same_state, got["param_groups"] == want["param_groups"]
+
+
 def _export_after_training() -> list[bool]:
     """fxzero's consolidated state equals plain AdamW's after the same steps, and loads back."""
     model, ref = _model(), _model()
@@ -110,12 +126,7 @@ def _export_after_training() -> list[bool]:
     _train(model, opt, range(STEPS))
     _train(ref, ref_opt, range(STEPS))
     got, want = opt.consolidated_state_dict(), ref_opt.state_dict()
-    same_state = got["state"].keys() == want["state"].keys() and all(
-        got["state"][i].keys() == want["state"][i].keys()
-        and all(torch.equal(got["state"][i][k], want["state"][i][k]) for k in want["state"][i])
-        for i in want["state"]
-    )
-    same_groups = got["param_groups"] == want["param_groups"]
+    same_state, same_groups = _same_state(got, want)
     plain = torch.optim.AdamW(_groups(_model()), lr=0.05)
     plain.load_state_dict(got)  # loads without fxzero
     opt.load_state_dict(got)  # and back into fxzero
@@ -128,3 +139,116 @@ def test_consolidated_state_dict_is_plain_adamw_state_at_world_1() -> None:
 
 def test_consolidated_state_dict_is_plain_adamw_state_at_world_2() -> None:
     assert run_ranks(2, _export_after_training, timeout=90) == [[True, True, True]] * 2
+
+
+# ---- torch.distributed.checkpoint.state_dict's get/set_optimizer_state_dict -----------------
+def _fxzero(model: torch.nn.Module) -> fxzero.DistributedOptimizer:
+    return fxzero.DistributedOptimizer(_groups(model), torch.optim.AdamW, lr=0.05, module=model,
+                                       config=fxzero.Config(bucket_size=64))  # fmt: skip
+
+
+def _reference(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Plain AdamW, under DDP when ranks run (every rank sees the same batches, so the same numbers)."""
+    wrapped = torch.nn.parallel.DistributedDataParallel(model) if dist.is_initialized() else model
+    return wrapped, torch.optim.AdamW(_groups(model), lr=0.05)
+
+
+def _torch_api_state(full: bool) -> tuple[bool, bool, int]:
+    """get_optimizer_state_dict of fxzero and of AdamW (DDP) after the same steps; opt.state's size."""
+    model, (ref, ref_opt) = _model(), _reference(_model())
+    opt = _fxzero(model)
+    _train(model, opt, range(STEPS))
+    _train(ref, ref_opt, range(STEPS))
+    options = StateDictOptions(full_state_dict=full)
+    got = get_optimizer_state_dict(model, opt, options=options)
+    return (*_same_state(got, get_optimizer_state_dict(ref, ref_opt, options=options)), len(opt.state))
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["full_state_dict", "dcp_default"])
+def test_get_optimizer_state_dict_is_adamws_at_world_1(full: bool) -> None:
+    assert _torch_api_state(full) == (True, True, 4)  # and torch's zero-lr step was not taken (equal `step`s)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("full", [True, False], ids=["full_state_dict", "dcp_default"])
+def test_get_optimizer_state_dict_is_ddp_adamws_at_world_2(full: bool) -> None:
+    # the default (DCP) options return the whole state too: DCP saves plain tensors once, as replicated
+    assert run_ranks(2, _torch_api_state, full, timeout=90) == [(True, True, 4)] * 2
+
+
+def _torch_api_resume(full: bool) -> bool:
+    """fxzero -> get_optimizer_state_dict -> a new fxzero via set_optimizer_state_dict: trains on bitwise."""
+    weights, _, expected = _plain_run()
+    model = _model()
+    opt = _fxzero(model)
+    _train(model, opt, range(STEPS))
+    options = StateDictOptions(full_state_dict=full)
+    saved = copy.deepcopy(get_optimizer_state_dict(model, opt, options=options))
+    model = _model()
+    model.load_state_dict(weights)
+    opt = _fxzero(model)
+    opt.load_state_dict(_plain_run()[1])  # an optimizer with state already: torch takes no zero-lr step
+    set_optimizer_state_dict(model, opt, saved, options=options)
+    _train(model, opt, range(STEPS, 2 * STEPS))
+    opt.finish_param_sync()
+    return all(torch.equal(p, e) for p, e in zip(model.parameters(), expected))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("full", [True, False], ids=["full_state_dict", "dcp_default"])
+def test_set_optimizer_state_dict_resumes_bitwise(full: bool) -> None:
+    assert _torch_api_resume(full)
+    assert run_ranks(2, _torch_api_resume, full, timeout=90) == [True, True]
+
+
+def _fresh_get_and_set() -> tuple[bool, bool]:
+    """A fresh optimizer: torch takes its zero-gradient, zero-lr step on both; the states agree."""
+    model, (ref, ref_opt) = _model(), _reference(_model())
+    opt = _fxzero(model)
+    options = StateDictOptions(full_state_dict=True)
+    got = get_optimizer_state_dict(model, opt, options=options)
+    same = _same_state(got, get_optimizer_state_dict(ref, ref_opt, options=options))
+    set_optimizer_state_dict(_model(), _fxzero(_model()), got, options=options)  # a fresh one loads it
+    return same
+
+
+@pytest.mark.xfail(reason="needs hand-assigned p.grad honoured by step() (branch handmade-grads)", strict=False)
+def test_a_fresh_optimizer_gets_the_state_adamw_gets() -> None:
+    assert _fresh_get_and_set() == (True, True)
+
+
+def _one_element_rank_state() -> tuple[int, bool, list[str]]:
+    """One 2-element param: rank 1's shard is all padding and it holds no state, yet opt.state
+    has the same keys on both ranks, so both skip (or both take) torch's collective zero-lr step."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(2, 1, bias=False)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, module=model)
+    model(torch.ones(3, 2)).sum().backward()
+    opt.step()
+    got = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True))
+    return len(opt.state), int(got["state"]["weight"]["step"]) == 1, sorted(opt.state[model.weight])
+
+
+@pytest.mark.timeout(120)
+def test_opt_state_has_the_same_keys_on_every_rank_and_this_ranks_piece_of_each() -> None:
+    assert run_ranks(2, _one_element_rank_state, timeout=90) == [(1, True, ["exp_avg", "exp_avg_sq", "step"]), (1, True, [])]
+
+
+def _rank_0_alone_saves() -> bytes:
+    model = _model()
+    opt = _fxzero(model)
+    _train(model, opt, range(STEPS))
+    opt.finish_param_sync()
+    buffer = io.BytesIO()
+    if dist.get_rank() == 0:
+        torch.save(opt.state_dict(), buffer)  # the DDP habit: no collective, so rank 1 need not join
+    dist.barrier()
+    return buffer.getvalue()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_0_only_state_dict_is_per_rank_and_refused_at_world_1_naming_save_checkpoint() -> None:
+    saved = torch.load(io.BytesIO(run_ranks(2, _rank_0_alone_saves, timeout=90)[0]), weights_only=True)
+    assert saved["format"] == "fxzero.DistributedOptimizer/1" and saved["world_size"] == 2
+    with pytest.raises(ValueError, match=r"saved on rank 0 of 2, loading on rank 0 of 1.*fxzero\.save_checkpoint"):
+        _fxzero(_model()).load_state_dict(saved)

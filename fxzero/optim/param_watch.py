@@ -7,7 +7,9 @@ every ``step()``:
 * **moved or cast params** (``model.double()``, ``.half()``, ``.to(device)``,
   ``param.data = t``): the param stops being a view of the flat buffer, so the step
   would update memory the model no longer reads. Caught by comparing each param's
-  ``data_ptr()`` with the view's, and reported as an error naming the param.
+  ``data_ptr()`` with the view's, and reported as an error naming the param, unless
+  the param holds a bitwise copy of its view on the same device (a move to the device it
+  was on, such as ``model.to("cpu:0")``): then it is pointed back at the view.
 * **tensor hooks registered after a compiled graph that reads the param was built**:
   that graph's backward hands the gradient to fxzero without running them. An error.
 * **values written** (``model.load_state_dict(pretrained)``, ``p.data.copy_``,
@@ -46,6 +48,8 @@ class ParamWatch:
     ) -> None:
         self.table, self.params, self.gather, self.rank = table, table.params, gather, rank
         self._pointers = [p.data_ptr() for p in self.params]
+        self._views = [p.data for p in self.params]
+        """Each param's view of the flat buffer, to point a param back at after a no-op move."""
         self._compiled = compiled
         self._separate = [s for s in shards if not s.main_is_param]
         sizes: dict[torch.dtype, int] = {}
@@ -68,7 +72,7 @@ class ParamWatch:
         if list(map(torch.Tensor.data_ptr, self.params)) == self._pointers and not any(map(_hooks, self.params)):
             return
         for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
-            if param.data_ptr() != pointer:
+            if param.data_ptr() != pointer and not _rebind_copy(param, self._views[slot]):
                 raise RuntimeError(_moved_message(self.table.label(slot), param))
             if param._backward_hooks and self._compiled[slot]:
                 raise RuntimeError(_late_hook_message(self.table.label(slot)))
@@ -86,6 +90,20 @@ class ParamWatch:
                     shard.bucket.index,
                     int(changed.sum()),
                 )
+
+
+def _rebind_copy(param: torch.Tensor, view: torch.Tensor) -> bool:
+    """Point ``param`` back at its buffer ``view`` if it now holds a copy of it: same dtype,
+    device and shape and bitwise the same values. That is a move to the device it was on
+    (``model.to("cpu:0")`` copies CPU tensors, whose device is ``cpu``: HF Trainer and
+    Accelerate move the model to their device after the optimizer exists). Any other change
+    (a cast, a real move, values that differ: written, or read before a gather landed) is refused."""
+    same = param.dtype == view.dtype and param.device == view.device and param.shape == view.shape
+    if not (same and torch.equal(param.data, view)):
+        return False
+    param.data = view
+    log.info("a param moved to the device it was on is a view of the optimizer's flat buffer again")
+    return True
 
 
 def _words(values: torch.Tensor) -> torch.Tensor:

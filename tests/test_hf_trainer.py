@@ -1,0 +1,108 @@
+"""HF Trainer and Accelerate with fxzero (README "Hugging Face Trainer and Accelerate"): the
+recipe in examples/hf_trainer.py trains exactly like Trainer + AdamW under DDP; a move of the
+model to the device it is on keeps the optimizer's views; a fxzero model inside DDP is refused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fxzero
+from fxzero.testing import run_ranks
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _model_and_opt() -> tuple[torch.nn.Module, fxzero.DistributedOptimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    return model, fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, module=model)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    for step in range(2):
+        model(torch.randn(3, 4, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_moving_the_model_to_the_device_it_is_on_keeps_training_exact() -> None:
+    model, opt = _model_and_opt()
+    model.to("cpu:0")  # what Trainer and Accelerate do on CPU: torch copies every CPU tensor
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    got, want = _train(model, opt), _train(ref, torch.optim.AdamW(ref.parameters(), lr=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(p.data_ptr() == v.data_ptr() for p, v in zip(opt.params, opt.param_watch._views))
+
+
+def test_a_real_cast_or_new_values_are_still_refused() -> None:
+    model, opt = _model_and_opt()
+    model[0].weight.data = model[0].weight.data + 1  # same device and dtype, other values
+    model(torch.ones(1, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"param '0.weight' .* is no longer a view"):
+        opt.step()
+
+
+def _forward_inside_ddp() -> str:
+    model, _ = _model_and_opt()
+    try:
+        torch.nn.parallel.DistributedDataParallel(model)(torch.ones(1, 4))
+    except RuntimeError as error:
+        return str(error)
+    return "ran"
+
+
+@pytest.mark.timeout(120)
+def test_a_fxzero_model_inside_ddp_is_refused_naming_the_fix() -> None:
+    for message in run_ranks(2, _forward_inside_ddp, timeout=90):
+        assert "inside torch.nn.parallel.DistributedDataParallel" in message
+        assert "accelerator.prepare(opt, dl)" in message and "model._is_accelerate_prepared = True" in message
+
+
+@pytest.fixture(scope="module")
+def recipe(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """tests/hf_trainer_ranks.py under torchrun at world 2 (one launch for every check below)."""
+    out = tmp_path_factory.mktemp("hf") / "results.pt"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/hf_trainer_ranks.py", str(out)]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return torch.load(out, weights_only=False)
+
+
+def _same(a: tuple[list[float], list[torch.Tensor]], b: tuple[list[float], list[torch.Tensor]]) -> bool:
+    return a[0] == b[0] and len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_trainer_recipe_trains_exactly_like_trainer_with_adamw_under_ddp(recipe: dict) -> None:
+    assert len(recipe["trainer_fxzero"][0]) == 3 and _same(recipe["trainer_fxzero"], recipe["trainer_reference"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_accelerate_with_the_optimizer_and_loader_prepared_trains_like_ddp(recipe: dict) -> None:
+    assert _same(recipe["accelerate_fxzero"], recipe["accelerate_reference"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_accelerate_preparing_the_model_is_refused_naming_the_fix(recipe: dict) -> None:
+    assert "accelerator.prepare(opt, dl)" in recipe["accelerate_prepared_model"]
+
+
+def test_torch_compile_backend_fxzero_is_refused_by_accelerate_and_trainers_default_is_fused_adamw(tmp_path: Path) -> None:
+    from accelerate.utils import TorchDynamoPlugin
+    from transformers import TrainingArguments
+
+    with pytest.raises(ValueError, match="'FXZERO' is not a valid DynamoBackend"):
+        TorchDynamoPlugin(backend="fxzero")  # what TrainingArguments(torch_compile_backend="fxzero") builds
+    assert TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none").optim == "adamw_torch_fused"
