@@ -45,7 +45,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
-from .optim.binding import GraphBinding, InputBinding
+from .optim.binding import GraphBinding, InputBinding, OwnerRef
 from .optim.buffers import build_buffers
 from .optim.comm import DataParallelGroup
 from .optim.grad_sync import GradReductions, GradSync
@@ -168,7 +168,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.binding = GraphBinding(table, self.ledger, self.grad_sync, self.param_sync)
         """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
         for param in self.params:
-            param._fxzero_owner = weakref.ref(self)
+            param._fxzero_owner = OwnerRef(self)
         self.grad_sync.install_hooks()
         weakref.finalize(self, self.grad_sync.remove_hooks)
         weakref.finalize(self, self.grad_views.clear)
