@@ -114,7 +114,19 @@ class Config:
     """Broadcast rank 0's params (and, with ``module=``, the module's buffers and other
     params) when the optimizer is built, as DDP's ``init_sync`` does, so ranks seeded
     differently still start from one model. ``False`` keeps each rank's values (the
-    cross-rank check that every rank lays out the same params runs either way)."""
+    cross-rank check that every rank lays out the same params runs either way), except
+    the module's buffers while ``broadcast_buffers`` is on: DDP broadcasts those before
+    the first forward whatever its ``init_sync``."""
+
+    broadcast_buffers: bool = True
+    """Give every rank rank 0's module buffers (BatchNorm's running statistics) once per
+    step, as DDP's ``broadcast_buffers=True`` (``forward_sync_buffers`` since torch 2.13)
+    does before each training forward: each step's forwards start from rank 0's buffers
+    on every rank, bit for bit (:mod:`fxzero.optim.buffer_sync` says when and why).
+    Needs ``DistributedOptimizer(..., module=model)``: without a module no buffer is known
+    and nothing is broadcast; a module without buffers costs nothing. ``False`` lets each
+    rank's buffers follow its own data after the construction-time broadcast (which
+    ``init_sync`` controls), as DDP's ``forward_sync_buffers=False`` does."""
 
     elementwise_optimizer: bool = False
     """State that the wrapped optimizer class updates each element of a param from that
@@ -128,7 +140,7 @@ class Config:
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
         flags = ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
-                 "elementwise_optimizer")
+                 "elementwise_optimizer", "broadcast_buffers")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")

@@ -7,6 +7,8 @@ gradients are bitwise DDP's, so everything here is compared with ``torch.equal``
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import copy
 import io
 import warnings
@@ -16,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+from torch.profiler import ProfilerActivity, profile
 
 import fxzero
 from fxzero.optim.binding import owner_of
@@ -59,7 +62,7 @@ def _pair(build, config: fxzero.Config) -> tuple:
     model, reference = build(), build()
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model, config=config)
     compiled = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
-    ddp = DDP(reference)
+    ddp = DDP(reference, forward_sync_buffers=config.broadcast_buffers)  # torch 2.13 names broadcast_buffers so
     return (model, compiled, opt), (reference, ddp, torch.optim.AdamW(reference.parameters(), lr=LR))
 
 
@@ -132,3 +135,110 @@ def test_deepcopy_averaged_model_and_torch_save_of_a_managed_model_are_plain_cur
         assert all(result["plain"]["grads"]), result["plain"]
         assert result["plain"]["owners"] == [None] * 6
         assert result["plain"]["opt_grads_untouched"]
+
+
+# ---- 2. BatchNorm buffers: rank 0's, once per step, as DDP's broadcast_buffers ----------------
+def _bn_net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _buffers(module: torch.nn.Module) -> dict:
+    return {n: b.clone() for n, b in module.named_buffers()}
+
+
+_LOOP = ("plain", "accumulate", "accumulate", "plain")
+"""Each step's loop: one batch, or two microbatches, the first under ``no_sync()``; an eval
+forward follows step 0."""
+
+
+def _bn_step(run: tuple, step: int, seen: list) -> None:
+    """Step ``step`` of :data:`_LOOP`. ``seen`` gets the buffers each training forward
+    starts from (DDP's: from a hook inside its forward, after its broadcast)."""
+    model, forward, opt = run
+    is_ddp = isinstance(forward, DDP)
+    batches = [_local(100 + step), _local(step)] if _LOOP[step] == "accumulate" else [_local(step)]
+    for i, x in enumerate(batches):
+        last = i == len(batches) - 1
+        with contextlib.nullcontext() if last else (forward.no_sync() if is_ddp else opt.no_sync()):
+            if not is_ddp:
+                seen.append(_buffers(model))
+            forward(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _evaluate(run: tuple) -> torch.Tensor:
+    run[0].eval()
+    with torch.no_grad():
+        out = run[1](_local(99))
+    run[0].train()
+    return out
+
+
+def _bn_runs(broadcast_buffers: bool) -> dict:
+    config = fxzero.Config(bucket_size=64, overlap_param_gather=False, broadcast_buffers=broadcast_buffers)
+    runs = dict(zip(("ours", "ddp"), _pair(_bn_net, config)))
+    seen: dict = {name: {"forwards": [], "evals": []} for name in runs}
+
+    def record(module: torch.nn.Module, args: object) -> None:  # inside DDP's forward, after its broadcast
+        if module.training:
+            seen["ddp"]["forwards"].append(_buffers(module))
+
+    runs["ddp"][0].register_forward_pre_hook(record)
+    for step in range(len(_LOOP)):
+        for name, run in runs.items():
+            _bn_step(run, step, seen[name]["forwards"])
+            if step == 0:
+                seen[name]["evals"].append(_evaluate(run))
+    for name, run in runs.items():
+        seen[name]["evals"].append(_evaluate(run))  # DDP broadcasts the buffers before it
+        seen[name]["state"] = _values(run[0])
+    return seen
+
+
+@pytest.mark.parametrize("broadcast_buffers", [True, False], ids=["broadcast", "own-buffers"])
+def test_batchnorm_buffers_follow_ddp_broadcast_buffers(broadcast_buffers: bool) -> None:
+    """Every forward (training, microbatch under no_sync, eval) starts from the buffers it
+    starts from under DDP(forward_sync_buffers=...), bit for bit; params and eval outputs are DDP's."""
+    results = run_ranks(2, _bn_runs, broadcast_buffers)
+    for result in results:
+        ours, ddp = result["ours"], result["ddp"]
+        assert len(ours["forwards"]) == len(ddp["forwards"]) == 6
+        for mine, theirs in zip(ours["forwards"], ddp["forwards"]):
+            _assert_equal(mine, theirs)
+        for mine, theirs in zip(ours["evals"], ddp["evals"], strict=True):
+            assert torch.equal(mine, theirs)
+        _assert_equal(ours["state"], ddp["state"])
+    same = torch.equal(results[0]["ours"]["state"]["1.running_mean"], results[1]["ours"]["state"]["1.running_mean"])
+    assert same == broadcast_buffers  # the ranks' data differ: only the broadcast makes them agree
+
+
+def _counted_collectives() -> dict:
+    """What a step issues (backward and step() under the profiler) and what the optimizer declares."""
+    out = {}
+    for broadcast_buffers in (True, False):
+        model = _bn_net()
+        config = fxzero.Config(bucket_size=64, broadcast_buffers=broadcast_buffers)
+        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model, config=config)
+        for step in range(2):
+            loss = model(_local(step)).square().mean()
+            with profile(activities=[ProfilerActivity.CPU]) if step else contextlib.nullcontext() as prof:
+                loss.backward()
+                opt.step()
+        ops = [e.name[len("c10d::") :] for e in prof.events() if e.name.startswith("c10d::") and "barrier" not in e.name]
+        counted = collections.Counter(op.strip("_").replace("_base", "") for op in ops)
+        out[broadcast_buffers] = {"counted": dict(counted), "declared": opt.collectives_per_step}
+    return out
+
+
+def test_the_buffer_broadcast_is_one_collective_per_dtype_and_counted() -> None:
+    for result in run_ranks(2, _counted_collectives):
+        for counts in result.values():
+            assert counts["counted"] == counts["declared"], counts
+        on, off = result[True]["declared"], result[False]["declared"]
+        assert on == off | {"broadcast": off.get("broadcast", 0) + 2}, (on, off)  # fp32 statistics, int64 counts
+    model = _bn_net()  # world size 1 (no process group here): nothing to broadcast, no collective
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model)
+    model(torch.randn(4, 8)).sum().backward()
+    assert not opt.step().skipped and opt.collectives_per_step == {}
