@@ -88,7 +88,8 @@ class Config:
     params. On, ``step()`` launches every bucket's gather (in forward order, on every rank, so
     a rank-0-only read afterwards never waits for a peer) and returns; each bucket is waited
     right before its first read in the forward (compiled graphs: inserted waits; eager
-    modules: forward pre-hooks; the managed module's ``state_dict()``). Any other read of
+    modules: forward pre-hooks; the managed module's ``state_dict()`` and copies of it:
+    ``copy.deepcopy``, ``torch.save``). Any other read of
     the params before the next forward (another module holding the same Parameters,
     ``parameters_to_vector``, a submodule's ``state_dict()``) must call
     ``opt.finish_param_sync()`` first, or it sees this rank's shard updated and the rest not.

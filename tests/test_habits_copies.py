@@ -137,6 +137,30 @@ def test_deepcopy_averaged_model_and_torch_save_of_a_managed_model_are_plain_cur
         assert result["plain"]["opt_grads_untouched"]
 
 
+
+def _mxfp8_copies() -> dict:
+    model = _tiny()
+    config = fxzero.Config(bucket_size=16, overlap_param_gather=True, mxfp8_param_gather=True)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model, config=config)
+    _train((model, model, opt), _local(0))
+    pending, copied = sum(opt.param_sync.pending), copy.deepcopy(model)  # its buckets land only when waited
+    out = {"pending": pending, "copied": (_values(copied), _values(model))}
+    _train((model, model, opt), _local(1))
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    out["saved"] = _values(torch.load(io.BytesIO(saved.getvalue()), weights_only=False)), _values(model)
+    return out
+
+
+def test_copies_right_after_step_hold_landed_params_with_the_mxfp8_gather() -> None:
+    """With overlap on, MXFP8 buckets are dequantized into the params only when waited:
+    a copy or a save right after step() lands them first (params the copy took before
+    reaching a hook, the root's own, are copied again)."""
+    for result in run_ranks(2, _mxfp8_copies):
+        assert result["pending"] == 4
+        _assert_equal(*result["copied"])
+        _assert_equal(*result["saved"])
+
 # ---- 2. BatchNorm buffers: rank 0's, once per step, as DDP's broadcast_buffers ----------------
 def _bn_net() -> torch.nn.Module:
     torch.manual_seed(0)
