@@ -88,7 +88,8 @@ class Config:
     params. On, ``step()`` launches every bucket's gather (in forward order, on every rank, so
     a rank-0-only read afterwards never waits for a peer) and returns; each bucket is waited
     right before its first read in the forward (compiled graphs: inserted waits; eager
-    modules: forward pre-hooks; the managed module's ``state_dict()``). Any other read of
+    modules: forward pre-hooks; the managed module's ``state_dict()`` and copies of it:
+    ``copy.deepcopy``, ``torch.save``). Any other read of
     the params before the next forward (another module holding the same Parameters,
     ``parameters_to_vector``, a submodule's ``state_dict()``) must call
     ``opt.finish_param_sync()`` first, or it sees this rank's shard updated and the rest not.
@@ -114,7 +115,19 @@ class Config:
     """Broadcast rank 0's params (and, with ``module=``, the module's buffers and other
     params) when the optimizer is built, as DDP's ``init_sync`` does, so ranks seeded
     differently still start from one model. ``False`` keeps each rank's values (the
-    cross-rank check that every rank lays out the same params runs either way)."""
+    cross-rank check that every rank lays out the same params runs either way), except
+    the module's buffers while ``broadcast_buffers`` is on: DDP broadcasts those before
+    the first forward whatever its ``init_sync``."""
+
+    broadcast_buffers: bool = True
+    """Give every rank rank 0's module buffers (BatchNorm's running statistics) once per
+    step, as DDP's ``broadcast_buffers=True`` (``forward_sync_buffers`` since torch 2.13)
+    does before each training forward: each step's forwards start from rank 0's buffers
+    on every rank, bit for bit (:mod:`fxzero.optim.buffer_sync` says when and why).
+    Needs ``DistributedOptimizer(..., module=model)``: without a module no buffer is known
+    and nothing is broadcast; a module without buffers costs nothing. ``False`` lets each
+    rank's buffers follow its own data after the construction-time broadcast (which
+    ``init_sync`` controls), as DDP's ``forward_sync_buffers=False`` does."""
 
     elementwise_optimizer: bool = False
     """State that the wrapped optimizer class updates each element of a param from that
@@ -128,7 +141,7 @@ class Config:
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
         flags = ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
-                 "elementwise_optimizer")
+                 "elementwise_optimizer", "broadcast_buffers")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")

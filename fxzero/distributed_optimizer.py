@@ -29,11 +29,13 @@ backward starts from zeroed buffers whether the loop calls ``opt.zero_grad()``,
 params are still its views and takes values written into them since into its fp32
 masters (:mod:`fxzero.optim.param_watch`). At construction every rank checks that all
 ranks lay out the same params (:mod:`fxzero.optim.layout_agreement`) and starts from
-rank 0's values (:mod:`fxzero.optim.initial_broadcast`).
+rank 0's values (:mod:`fxzero.optim.initial_broadcast`); each step gives every rank rank 0's
+module buffers, as DDP does (:mod:`fxzero.optim.buffer_sync`).
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import math
@@ -46,7 +48,8 @@ import torch.distributed as dist
 from ._torch_compat import called_from_torch_checkpoint
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
-from .optim.binding import GraphBinding, InputBinding
+from .optim.binding import GraphBinding, InputBinding, OwnerRef
+from .optim.buffer_sync import BufferSync
 from .optim.buffers import build_buffers
 from .optim.comm import DataParallelGroup
 from .optim.ddp_guard import refuse_ddp
@@ -125,8 +128,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self.config.overlap_param_gather and module is None and self.dp.size > 1:
             log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
         self.buffers = build_buffers(layout, self.config, self.dp)
+        self.buffer_sync = BufferSync(module, self.dp, self.config.broadcast_buffers)
         if self.config.init_sync:
             broadcast_initial_state(self.dp, [b.param_data for b in self.buffers], module, params)
+        else:  # DDP syncs buffers before the first forward even without init_sync
+            self.buffer_sync.broadcast()
         self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
         bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
         self.param_table = ParamTable.build(self.param_groups, names, bucket_of)
@@ -172,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.binding = GraphBinding(table, self.ledger, self.grad_sync, self.param_sync)
         """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
         for param in self.params:
-            param._fxzero_owner = weakref.ref(self)
+            param._fxzero_owner = OwnerRef(self)
         self.grad_sync.install_hooks()
         weakref.finalize(self, self.grad_sync.remove_hooks)
         weakref.finalize(self, self.grad_views.remove)
@@ -214,6 +220,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.buffer_sync.broadcast()  # after the step's last forward, before the next (DDP's broadcast_buffers)
         self.param_sync.finish()  # a bucket the forward never read may still be gathering
         self.param_watch.check()
         self.param_watch.adopt_outside_writes()
@@ -417,11 +424,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def collectives_per_step(self) -> dict[str, int]:
         """Collectives one training step issues on this rank with ``Config.clip_grad`` or no
         clipping, by ``c10d`` op name: the gradient reductions, the all-reduce of the norm and
-        gradient flags, the param gathers. None at world size 1."""
-        counts = {**self.reductions.collectives_per_step(), **self.param_sync.collectives_per_step()}
-        if self.dp.size > 1:
-            counts["allreduce"] = counts.get("allreduce", 0) + 1
-        return counts
+        gradient flags, the param gathers, the module buffers' broadcast. None at world size 1."""
+        counts = collections.Counter({"allreduce": 1} if self.dp.size > 1 else {})
+        for part in (self.reductions, self.param_sync, self.buffer_sync):
+            counts.update(part.collectives_per_step())
+        return dict(counts)
 
     @property
     def state_bytes(self) -> int:

@@ -163,13 +163,14 @@ def test_ranks_that_disagree_on_the_params_all_raise_the_same_clear_error(case: 
 
 
 # ---- 6. different initial weights per rank ---------------------------------------------
-def _seeded_by_rank(init_sync: Optional[bool]) -> dict:
+def _seeded_by_rank(init_sync: Optional[bool], broadcast_buffers: bool = True) -> dict:
     torch.manual_seed(dist.get_rank())
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     model[1].running_mean.uniform_()
     model[2].bias.requires_grad_(False)  # in the module, not in the optimizer: still broadcast
     params = [p for p in model.parameters() if p.requires_grad]
-    config = fxzero.Config() if init_sync is None else fxzero.Config(init_sync=init_sync)  # None: the default
+    opts = {"broadcast_buffers": broadcast_buffers} | ({} if init_sync is None else {"init_sync": init_sync})
+    config = fxzero.Config(**opts)  # init_sync None: the default
     fxzero.DistributedOptimizer(params, torch.optim.SGD, lr=0.1, module=model, config=config)
     return {n: v.clone() for n, v in model.state_dict().items()}
 
@@ -182,9 +183,13 @@ def test_ranks_start_from_rank_0s_params_and_buffers_unless_opted_out() -> None:
     for state in synced:
         for name, value in rank0.state_dict().items():
             assert torch.equal(state[name], value), name
-    own = run_ranks(2, _seeded_by_rank, False)
+    own = run_ranks(2, _seeded_by_rank, False, False)
     assert not torch.equal(own[0]["0.weight"], own[1]["0.weight"])
     assert not torch.equal(own[0]["1.running_mean"], own[1]["1.running_mean"])
+    # DDP(init_sync=False) still broadcasts the buffers before the first forward
+    own_params = run_ranks(2, _seeded_by_rank, False)
+    assert not torch.equal(own_params[0]["0.weight"], own_params[1]["0.weight"])
+    assert torch.equal(own_params[0]["1.running_mean"], own_params[1]["1.running_mean"])
 
 
 # ---- 7. tensor hooks on params under backend="fxzero" --------------------------------------

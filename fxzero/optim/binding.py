@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import weakref
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -41,7 +42,23 @@ from .ledger import Ledger
 from .param_sync import ParamSync
 from .param_table import ParamTable
 
-__all__ = ["GraphBinding", "InputBinding", "backward_node", "binding_of", "counting_forward", "identity", "owner_of"]
+__all__ = ["GraphBinding", "InputBinding", "OwnerRef", "backward_node", "binding_of", "counting_forward", "identity", "owner_of"]
+
+
+class OwnerRef(weakref.ref):
+    """``param._fxzero_owner``: a weakref to the optimizer managing the param. A pickled
+    param (``torch.save(model)``, or a plain tensor's ``deepcopy``, which copies its
+    ``__dict__``) is a copy no optimizer manages: it loads with ``_fxzero_owner = None``.
+    (``Parameter.__deepcopy__`` copies no attribute at all.)"""
+
+    __slots__ = ()
+
+    def __reduce__(self) -> tuple[Any, tuple[()]]:
+        return (_no_owner, ())
+
+
+def _no_owner() -> None:
+    return None
 
 
 def owner_of(param: Any) -> Any:

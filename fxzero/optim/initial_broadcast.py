@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .buffer_sync import broadcast_flat
 from .comm import DataParallelGroup
 
 __all__ = ["broadcast_initial_state"]
@@ -35,13 +36,4 @@ def broadcast_initial_state(
     if module is None:
         return
     ids = {id(p) for p in managed}
-    others = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in ids]
-    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in others:
-        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
-    with torch.no_grad():
-        for tensors in by_kind.values():
-            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-            dist.broadcast(flat, group=dp.group, group_src=0)
-            for tensor, values in zip(tensors, flat.split([t.numel() for t in tensors])):
-                tensor.copy_(values.view_as(tensor))
+    broadcast_flat(dp, [t for t in (*module.parameters(), *module.buffers()) if id(t) not in ids])

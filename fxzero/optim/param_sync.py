@@ -198,7 +198,59 @@ class ParamSync:
         return tuple(self._stale)
 
 
-class _WaitBeforeForward:
+class _Inert:
+    """What a copy (``copy.deepcopy``, ``AveragedModel``) or a pickle (``torch.save(model)``)
+    of a managed module holds in place of fxzero's hooks: the copy is a plain module that
+    no optimizer manages, so it has nothing to wait for."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _SyncHook:
+    """fxzero's module hooks act on one optimizer's :class:`ParamSync` (process group,
+    gathers in flight): a copy of the module must not share it, and cannot copy it.
+    Copying or pickling a hook first makes the params current (what
+    ``state_dict()`` does), then gives an :class:`_Inert` hook."""
+
+    sync: ParamSync
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Inert:
+        if any(self.sync.pending):
+            self.sync.finish()
+            _recopy(self.sync.buckets, memo)
+        return _Inert()
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        # torch.save writes tensor bytes after pickling the whole object: they are current
+        self.sync.finish()
+        return (_Inert, ())
+
+
+def _recopy(buckets: Sequence[Bucket], memo: dict[int, Any]) -> None:
+    """Deepcopy copies a module's own params before its hooks (``_parameters`` comes first
+    in its ``__dict__``): those copies were taken before the gathers landed; refresh them.
+    ``memo`` maps the ``id`` of every object copied so far (kept alive by the copy) to its copy."""
+    with torch.no_grad():
+        for bucket in buckets:
+            for param in bucket.params:
+                copied = memo.get(id(param))
+                if copied is not None:
+                    copied.copy_(param)
+
+
+class _FinishFirst(_SyncHook):
+    """``state_dict`` / ``load_state_dict`` pre-hook: every gather lands first, so a state
+    dict holds current values and a load is never overwritten by a gather in flight."""
+
+    def __init__(self, sync: ParamSync) -> None:
+        self.sync = sync
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        self.sync.finish()
+
+
+class _WaitBeforeForward(_SyncHook):
     """One forward pre-hook object shared by every module that owns managed params: it
     waits for the buckets of the module's own params. Shared, and reading nothing while
     Dynamo traces it, so compiling identical blocks guards on nothing that differs
@@ -230,7 +282,7 @@ class _WaitBeforeForward:
 def install_param_waits(module: torch.nn.Module, table: ParamTable, sync: ParamSync) -> list[Any]:
     """Forward pre-hooks on every submodule that owns managed params (waiting for their
     buckets) and ``state_dict`` / ``load_state_dict`` pre-hooks on ``module``; returns
-    the hook handles."""
+    the hook handles. A copy or pickle of ``module`` gets inert hooks instead (:class:`_SyncHook`)."""
     owners = {}
     for sub in module.modules():
         slots = [table.find(p) for p in sub._parameters.values()]
@@ -239,6 +291,6 @@ def install_param_waits(module: torch.nn.Module, table: ParamTable, sync: ParamS
             owners[id(sub)] = (sub, tuple(sorted(owned, reverse=True)))
     hook = _WaitBeforeForward(sync, list(owners.values()))
     handles = [sub.register_forward_pre_hook(hook) for sub, _ in owners.values()]
-    handles.append(module.register_state_dict_pre_hook(lambda *args, **kwargs: sync.finish()))
-    handles.append(module.register_load_state_dict_pre_hook(lambda *args, **kwargs: sync.finish()))
+    handles.append(module.register_state_dict_pre_hook(_FinishFirst(sync)))
+    handles.append(module.register_load_state_dict_pre_hook(_FinishFirst(sync)))
     return handles
