@@ -111,9 +111,9 @@ class TestRewrittenBackward(TestCase):
     def test_two_buckets_launch_right_after_their_last_grads(self) -> None:
         torch._dynamo.reset()
         model, reference = _model(), _model()
-        # bucket_size 64: bucket 0 = last Linear (weight 18 + bias 3 elements after 64-alignment
-        # closes at 64+3 >= 64), bucket 1 = first Linear.
-        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=64))
+        # bucket_size 32: bucket 0 = last Linear (bias 3 at 0, weight 18 at 32: closes at 50 >= 32),
+        # bucket 1 = first Linear.
+        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32))
         self.assertEqual([len(b.params) for b in opt.buckets], [2, 2])
         cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
         x = torch.randn(5, 4)

@@ -136,3 +136,38 @@ def test_exchange_sums_in_rank_order_in_place() -> None:
         _sum_in_rank_order(own, rows, before=rank)
         assert own.item() == expected.item(), rank
     assert ((copies[0] + copies[2]) + (copies[1] + copies[3])).item() != expected.item()  # the order matters
+
+
+class _TinyParams(torch.nn.Module):
+    """1,000 params of 4 elements (per-channel scales, gates, LoRA-like vectors) and a Linear."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.scales = torch.nn.ParameterList(torch.nn.Parameter(torch.randn(4)) for _ in range(1000))
+        self.proj = torch.nn.Linear(4, 80)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ torch.stack(list(self.scales)).T).square().mean() + self.proj(x).square().mean()
+
+
+def test_many_tiny_params_train_bitwise_like_adamw_in_their_own_size() -> None:
+    import copy
+
+    model = _TinyParams()
+    reference = copy.deepcopy(model)
+    opt = fxzero.DistributedOptimizer(
+        model.parameters(), torch.optim.AdamW, lr=1e-2, module=model, config=fxzero.Config(overlap_param_gather=False)
+    )
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    (buffer,) = opt.buffers
+    # bias 80 at 0, weight 320 at 128, the scales packed from 448 on; 64,448 with 64-element starts
+    assert buffer.param_data.numel() == 4480
+    for step in range(3):
+        x = torch.randn(8, 4, generator=torch.Generator().manual_seed(step))
+        for m, o in ((model, opt), (reference, ref_opt)):
+            m(x).backward()
+            o.step()
+            o.zero_grad()
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        assert torch.equal(p, q), name

@@ -26,7 +26,7 @@ def _train_once(**options: Any) -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
-    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=64))
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32))
     compiled = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager", **options})
     compiled(torch.randn(2, 4)).sum().backward()
     opt.zero_grad()

@@ -14,7 +14,7 @@ def _mlp_and_optimizer() -> tuple[torch.nn.Module, fxzero.DistributedOptimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
     opt = fxzero.DistributedOptimizer(
-        model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=64), module=model
+        model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32), module=model
     )
     return model, opt
 
@@ -43,7 +43,7 @@ class TestExplain(TestCase):
         before = [p.detach().clone() for p in model.parameters()]
         text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
         self.assertExpectedInline(text, """\
-fxzero buckets (dp=1): 2 buckets, 51 param elements in 256 buffer elements (80.1% padding: param starts aligned to 64, buckets to dp shards)
+fxzero buckets (dp=1): 2 buckets, 51 param elements in 256 buffer elements (80.1% padding: param starts aligned, buckets to dp shards)
 |   bucket |   params | first param   | last param   |   numel |   padded |   pad % |   shard numel | shard % 2^16 == 0   |   RS bytes |   AG bytes | dtype (param/grad)   |   graphs |
 |----------|----------|---------------|--------------|---------|----------|---------|---------------|---------------------|------------|------------|----------------------|----------|
 |        0 |        2 | 2.bias        | 2.weight     |      21 |      128 |    83.6 |           128 | no                  |        512 |        512 | float32/float32      |        0 |
@@ -101,10 +101,10 @@ buckets spanning several graphs: none
         before = [p.detach().clone() for p in model.parameters()]
         text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
         self.assertExpectedInline(text, """\
-fxzero buckets (dp=1): 1 bucket, 51 param elements in 256 buffer elements (80.1% padding: param starts aligned to 64, buckets to dp shards)
+fxzero buckets (dp=1): 1 bucket, 51 param elements in 128 buffer elements (60.2% padding: param starts aligned, buckets to dp shards)
 |   bucket |   params | first param   | last param   |   numel |   padded |   pad % |   shard numel | shard % 2^16 == 0   |   RS bytes |   AG bytes | dtype (param/grad)   | graphs   |
 |----------|----------|---------------|--------------|---------|----------|---------|---------------|---------------------|------------|------------|----------------------|----------|
-|        0 |        4 | fc2.bias      | fc1.weight   |      51 |      256 |    80.1 |           256 | no                  |       1024 |       1024 | float32/float32      | 0, 1     |
+|        0 |        4 | fc2.bias      | fc1.weight   |      51 |      128 |    60.2 |           128 | no                  |        512 |        512 | float32/float32      | 0, 1     |
 
 == graph 0: 2 params of buckets 0 ==
 # primals_2 = fc1.weight (bucket 0)

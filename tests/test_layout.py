@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 
@@ -23,10 +24,11 @@ def meta(*numels: int, shared: tuple[int, ...] = ()) -> list[torch.Tensor]:
 
 def test_reverse_order_param_alignment_and_end_padding() -> None:
     plan = plan_buckets(meta(10, 100, 64), dp_size=2, bucket_size=None)
-    # walked in reverse: param 2 at 0, param 1 at 64, param 0 at round_up(164, 64) = 192
-    assert plan.param_ranges == ((192, 202, 0), (64, 164, 0), (0, 64, 0))
-    assert plan.buckets == (BucketPlan(0, 256, 202, (2, 1, 0)),)  # 202 padded to lcm(2, 128)
-    assert (plan.numel, plan.numel_unpadded) == (256, 202)
+    # walked in reverse: param 2 at 0, param 1 at 64, param 0 (10 elements: aligned to
+    # 16, the power of two covering it) at round_up(164, 16) = 176
+    assert plan.param_ranges == ((176, 186, 0), (64, 164, 0), (0, 64, 0))
+    assert plan.buckets == (BucketPlan(0, 256, 186, (2, 1, 0)),)  # 186 padded to lcm(2, 128)
+    assert (plan.numel, plan.numel_unpadded) == (256, 186)
 
 
 def test_bucket_closes_once_it_reaches_bucket_size() -> None:
@@ -149,7 +151,9 @@ def test_layout_invariants(case: tuple[list[torch.Tensor], int, object, bool]) -
         assert bucket.start + bucket.numel_unpadded >= max(ends)
         for i in bucket.param_indices:
             start, end, bucket_id = plan.param_ranges[i]
-            assert bucket_id == b and start % 64 == 0 and bucket.start <= start <= end <= bucket.end
+            align = fxzero.optim.param_start_alignment(params[i].numel(), 4)
+            assert bucket_id == b and start % align == 0 and bucket.start <= start <= end <= bucket.end
+            assert params[i].numel() < 64 or start % 64 == 0  # Megatron's rule where it matters
             assert end - start == params[i].numel()
         if any(getattr(params[i], "shared_embedding", False) for i in bucket.param_indices):
             assert len(bucket.param_indices) == 1
@@ -162,3 +166,70 @@ def test_layout_invariants(case: tuple[list[torch.Tensor], int, object, bool]) -
             bucket = plan.buckets[frag.bucket_id]
             assert frag.shard_offset + frag.numel <= bucket.shard_numel(dp)
     assert all(bool((o == 1).all()) for o in owned)
+
+
+# ---- param start alignment: Megatron's 64 where it matters, no 16x for tiny params ----
+@pytest.mark.parametrize(
+    "numel, itemsize, block, expected",
+    [
+        (4, 4, 1, 4),  # fp32: 16 bytes, the power of two covering it
+        (4, 2, 1, 8),  # bf16: never below 16 bytes (Inductor's assumed input alignment)
+        (1, 4, 1, 4),
+        (0, 4, 1, 4),
+        (10, 4, 1, 16),
+        (33, 2, 1, 64),
+        (63, 4, 1, 64),
+        (64, 4, 1, 64),  # Megatron's rule from 64 elements on
+        (100_000, 2, 1, 64),
+        (4, 4, 32, 32),  # MXFP8: a 32-element block never holds two params
+        (100, 4, 32, 64),
+    ],
+)
+def test_param_start_alignment(numel: int, itemsize: int, block: int, expected: int) -> None:
+    assert fxzero.optim.param_start_alignment(numel, itemsize, block) == expected
+
+
+def _assert_views_disjoint(plan: fxzero.BufferPlan) -> None:
+    ranges = sorted(plan.param_ranges)
+    assert all(end <= nxt for (_, end, _), (nxt, _, _) in itertools.pairwise(ranges))
+
+
+def test_5001_tiny_params_take_their_own_size_not_16x() -> None:
+    plan = plan_buckets(meta(*[4] * 5001), dp_size=2, bucket_size=None)
+    assert plan.numel == 20_096  # 20,004 elements padded to lcm(2, 128); Megatron's rule: 320,128
+    assert [end - start for start, end, _ in plan.param_ranges] == [4] * 5001
+    _assert_views_disjoint(plan)
+    bf16 = [torch.empty(4, device="meta", dtype=torch.bfloat16)] * 5001
+    assert plan_buckets(bf16, dp_size=2, bucket_size=None).numel == 40_064  # 8 bf16 elements = 16 bytes each
+    # fp32 params with a bf16 grad buffer: the grad views need 16 bytes too
+    assert plan_buckets(meta(*[4] * 5001), dp_size=2, bucket_size=None, grad_dtype=torch.bfloat16).numel == 40_064
+
+
+def test_large_params_keep_megatrons_64_element_starts_among_tiny_ones() -> None:
+    numels = [3, 4096, 1, 7, 64, 4, 65, 2, 1000, 5]
+    plan = plan_buckets(meta(*numels), dp_size=4, bucket_size=2000)
+    for numel, (start, end, _) in zip(numels, plan.param_ranges):
+        assert end - start == numel
+        assert start % (64 if numel >= 64 else 4) == 0
+        assert start // 64 == max(end - 1, start) // 64 or numel >= 64  # a tiny param never crosses 64
+    _assert_views_disjoint(plan)
+
+
+def test_tiny_param_views_are_contiguous_disjoint_and_16_byte_aligned() -> None:
+    from fxzero import ParamAndGradBuffer
+
+    params = [torch.nn.Parameter(torch.full((n,), float(i), dtype=torch.bfloat16)) for i, n in enumerate([4, 100, 1, 3, 70])]
+    buffer = ParamAndGradBuffer(params, plan_buckets(params, dp_size=1, bucket_size=None), grad_dtype=torch.float32)
+    for i, p in enumerate(params):
+        assert p.is_contiguous() and p.main_grad.is_contiguous()
+        assert p.data_ptr() % 16 == 0 and p.main_grad.data_ptr() % 16 == 0
+        assert bool((p.detach() == i).all())  # no other param's write lands in it
+    # walked in reverse: 70 at 0, 3 at 72, 1 at 80 (8-element bf16 floor), 100 at 128, 4 at 232; end padded to 128
+    assert [start for start, _, _ in buffer.plan.param_ranges] == [232, 128, 80, 72, 0]
+    assert buffer.param_data.numel() == 256
+
+
+def test_mxfp8_tiny_params_still_start_on_blocks() -> None:
+    plan = plan_buckets(meta(*[4] * 100, 1000), dp_size=2, bucket_size=None, shard_multiple=32)
+    assert all(start % 32 == 0 for start, _, _ in plan.param_ranges)
+    assert plan.buckets[0].numel % (32 * 2) == 0

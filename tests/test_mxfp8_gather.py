@@ -3,7 +3,7 @@
 Parity: N ranks gathering MXFP8 vs a single-process eager reference that keeps fp32
 masters and, after every AdamW step, sets the model's params to the masters' MXFP8
 round trip (32-element blocks of each flattened param: fxzero's layout starts every
-param on a multiple of 64 elements and pads with zeros, which do not change a block's
+param on a multiple of 32 elements and pads with zeros, which do not change a block's
 amax, so its blocks are exactly these).
 """
 

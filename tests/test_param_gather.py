@@ -142,7 +142,7 @@ class TestRewrittenForward(TestCase):
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
         opt = fxzero.DistributedOptimizer(
-            model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=64), module=model
+            model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32), module=model
         )
         self.assertEqual(len(opt.buckets), 2)
         graphs = []

@@ -51,7 +51,7 @@ def _graphs_of_bucket(explained: "Explained", bucket: int) -> str:
 
 
 def _numel(bucket: Any) -> int:
-    """Param elements only: the 64-element start alignment counts as padding."""
+    """Param elements only: the param start alignment counts as padding."""
     return sum(p.numel() for p in bucket.params)
 
 
@@ -88,7 +88,7 @@ def _bucket_section(explained: "Explained") -> str:
     pad = 100 * (padded - numel) / padded if padded else 0.0
     title = (
         f"fxzero buckets (dp={explained.optimizer.dp.size}): {len(buckets)} bucket{'s' * (len(buckets) != 1)}, {numel:,} param elements "
-        f"in {padded:,} buffer elements ({pad:.1f}% padding: param starts aligned to 64, buckets to dp shards)"
+        f"in {padded:,} buffer elements ({pad:.1f}% padding: param starts aligned, buckets to dp shards)"
     )
     rows = [_bucket_row(b, explained) for b in buckets]
     return title + "\n" + tabulate(rows, headers=_HEADERS, tablefmt="github")

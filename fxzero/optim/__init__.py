@@ -6,7 +6,7 @@ from .buffers import Bucket, ParamAndGradBuffer, shard_buffer
 from .comm import CollectiveError, DataParallelGroup
 from .grad_sync import GradReductions, GradSync
 from .grad_views import ShardedGrad
-from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, plan_buckets, shard_fragments
+from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, param_start_alignment, plan_buckets, shard_fragments
 from .ledger import Ledger
 from .param_sync import Gather
 from .param_table import ParamRow, ParamTable
@@ -27,6 +27,7 @@ __all__ = [
     "ParamTable",
     "ShardedGrad",
     "bucket_divisor",
+    "param_start_alignment",
     "plan_buckets",
     "shard_buffer",
     "shard_fragments",

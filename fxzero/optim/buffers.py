@@ -120,6 +120,7 @@ def build_buffers(layout: Sequence[torch.nn.Parameter], config: Config, dp: Data
             bucket_size=bucket_size,
             pad_for_high_busbw=config.pad_for_high_busbw,
             shard_multiple=config.shard_multiple,
+            grad_dtype=config.grad_dtype,
         )
         buffers.append(ParamAndGradBuffer(params, plan, grad_dtype=config.grad_dtype, first_bucket_index=first))
         first += len(plan.buckets)

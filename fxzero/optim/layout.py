@@ -5,7 +5,10 @@ This reproduces Megatron-LM's distributed-optimizer layout (``_ParamAndGradBuffe
 * params are walked in **reverse** registration order, which roughly follows the
   order backward produces their gradients, so early buckets fill (and can start their
   reduce-scatter) while later layers' gradients are still being computed;
-* every param starts on a multiple of 64 elements (128-byte alignment for >= 16-bit dtypes);
+* a param of 64 elements or more starts on a multiple of 64 elements (128-byte alignment
+  for >= 16-bit dtypes, Megatron's ``_pad_param_start``); a smaller one starts on a
+  smaller power of two (:func:`param_start_alignment`), so tiny params do not multiply
+  the buffer;
 * a bucket closes once ``param_end - bucket_start >= bucket_size``;
 * a param marked ``shared_embedding=True`` closes the open bucket at its own padded
   start and then sits in a bucket of its own;
@@ -29,12 +32,16 @@ __all__ = [
     "BufferPlan",
     "Fragment",
     "bucket_divisor",
+    "param_start_alignment",
     "plan_buckets",
     "shard_fragments",
 ]
 
 PARAM_START_ALIGN = 64
-"""Elements: each param starts 128-byte aligned for >= 16-bit dtypes."""
+"""Elements: a param of at least this many elements starts on a multiple of it (Megatron's rule)."""
+
+INPUT_ALIGN_BYTES = 16
+"""Bytes: the alignment Inductor assumes of a GPU input (``torch._inductor.utils.ALIGNMENT``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +105,37 @@ def bucket_divisor(dp_size: int, pad_for_high_busbw: bool, shard_multiple: int =
     return math.lcm(base, 2**16) if pad_for_high_busbw else base
 
 
+def param_start_alignment(numel: int, itemsize: int, block: int = 1) -> int:
+    """Elements a param's start offset in the flat buffer is a multiple of.
+
+    Each param is a view of the flat buffer and the model computes on that view (and
+    fxzero's grad accumulation on its ``main_grad`` view at the same offset), so the
+    view's start address is what kernels see:
+
+    * ``numel >= 64``: 64 elements, Megatron-LM's ``_pad_param_start`` (128 bytes for
+      16-bit dtypes, 256 for fp32). Large params are what GEMMs and vectorized
+      elementwise kernels spend their time on, and what cuBLAS picks algorithms by.
+    * smaller params: the smallest power of two covering ``numel`` (at most 64). The
+      param then never crosses a 64-element boundary, so it touches no more aligned
+      128-byte segments than under Megatron's rule, without 64-element gaps (5,001
+      params of 4 elements used to take 16x their size).
+    * never below ``INPUT_ALIGN_BYTES`` (16) bytes of the narrower of the param and grad
+      dtypes (8 bf16/fp16 elements, 4 fp32): Inductor assumes 16-byte aligned GPU inputs;
+      a static input (a param) misaligned at compile time loses vectorized loads, and
+      under CUDA graphs is copied on every replay.
+    * a multiple of ``block`` (MXFP8's 32-element scale blocks), so a block never mixes
+      two params and each param is quantized exactly as on its own.
+
+    ``itemsize`` is the narrower dtype's size in bytes.
+    """
+    if numel >= PARAM_START_ALIGN:
+        align = PARAM_START_ALIGN
+    else:
+        align = 1 << max(numel - 1, 0).bit_length()  # smallest power of two >= numel
+    align = max(align, INPUT_ALIGN_BYTES // itemsize, 1)
+    return math.lcm(align, block)
+
+
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
@@ -135,11 +173,15 @@ def plan_buckets(
     bucket_size: Optional[int],
     pad_for_high_busbw: bool = False,
     shard_multiple: int = 1,
+    grad_dtype: torch.dtype | None = None,
 ) -> BufferPlan:
     """Plan Megatron-LM's distributed-optimizer layout for ``params`` (registration order).
 
-    ``params`` may be meta tensors; only ``numel()`` and the ``shared_embedding``
+    ``params`` may be meta tensors; only ``numel()``, ``dtype`` and the ``shared_embedding``
     attribute are read. ``bucket_size=None`` means one bucket (per shared-embedding split).
+    ``shard_multiple`` is a block size (MXFP8's 32): every rank's shard is whole blocks
+    and every param starts on a block. ``grad_dtype`` is the grad buffer's dtype (``None``:
+    the param's); param starts are aligned for both buffers (:func:`param_start_alignment`).
     """
     if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
         raise ValueError(f"plan_buckets: dp_size must be an int >= 1, got {dp_size!r}")
@@ -151,7 +193,8 @@ def plan_buckets(
     position = 0
     for index in reversed(range(len(params))):
         param = params[index]
-        start = _round_up(position, PARAM_START_ALIGN)
+        itemsize = min(param.element_size(), (grad_dtype or param.dtype).itemsize)
+        start = _round_up(position, param_start_alignment(param.numel(), itemsize, shard_multiple))
         shared = bool(getattr(param, "shared_embedding", False))
         if shared and planner.members:
             start = planner.close(start)

@@ -37,7 +37,7 @@ def max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _mxfp8_round_trip(t: torch.Tensor) -> torch.Tensor:
     """What fxzero's MXFP8 gather makes of a param: its layout starts every param on a
-    multiple of 64 elements and pads with zeros, so the blocks are the flattened param's."""
+    multiple of 32 elements (a block) and pads with zeros, so the blocks are the flattened param's."""
     flat = t.detach().reshape(-1).float()
     padded = torch.nn.functional.pad(flat, (0, -flat.numel() % mxfp8.BLOCK_SIZE))
     return mxfp8.dequantize(*mxfp8.quantize(padded))[: flat.numel()].view(t.shape).to(t.dtype)
