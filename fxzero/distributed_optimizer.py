@@ -40,12 +40,11 @@ import contextlib
 import logging
 import math
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ._torch_compat import called_from_torch_checkpoint
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.binding import GraphBinding, InputBinding, OwnerRef
@@ -61,12 +60,12 @@ from .optim.ledger import Ledger
 from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .optim.param_table import ParamTable, param_names
 from .optim.param_watch import ParamWatch
-from .optim.rank_state import RankState, held_on_any_rank
+from .optim.rank_state import RankState
 from .optim.reduced_grads import ReducedGrads
-from .optim.shards import FragmentTensor, build_shards
+from .optim.sharded_state import ShardedState
+from .optim.shards import build_shards
 from .optim.step_result import StepResult, warn_no_gradients
-from .optim.state_dict import STATE_FORMAT, check_state_dict, hyperparameters, is_plain_state_dict, layout_key
-from .optim.state_dict import consolidated_state, plain_fragment_states
+from .optim.state_dict import hyperparameters
 from .optim.validation import check_elementwise, check_group_keys, check_leaves, check_managed_params
 from .optim.validation import check_optimizer_kwargs, layout_order
 
@@ -75,7 +74,7 @@ __all__ = ["DistributedOptimizer", "StepResult"]
 log = logging.getLogger(__name__)
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     """Shard ``optimizer_class``'s state over a data-parallel group (ZeRO-1).
 
     ``params`` and ``**defaults`` follow ``torch.optim`` conventions (param-group dicts
@@ -314,103 +313,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.ledger.start_step()
         self.reduced.reset()
 
-    # ---- state ------------------------------------------------------------------
-    @property
-    def state(self) -> RankState:  # type: ignore[override]
-        """Each managed param's state as this rank holds it (:mod:`fxzero.optim.rank_state`)."""
-        return self._rank_state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        if value:  # torch.optim.Optimizer.__init__ assigns an empty dict
-            raise AttributeError("DistributedOptimizer.state is a read-only view; load state with load_state_dict")
-
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's state, for a resume at the same world size and layout; not a
-        collective, so one rank alone may save it. Called from ``torch.distributed.checkpoint``
-        (``get/set_optimizer_state_dict``, ``dcp.save``/``load``: collectives every rank calls;
-        caller told apart by its module), it is :meth:`consolidated_state_dict`: the whole
-        state in plain format, what they read and what DCP's dedup of plain tensors keeps right."""
-        if called_from_torch_checkpoint():
-            return self.consolidated_state_dict()
-        self.finish_param_sync()
-        return {
-            "format": STATE_FORMAT,
-            "world_size": self.dp.size,
-            "rank": self.dp.rank,
-            "layout": layout_key(self.buffers),
-            "param_groups": [hyperparameters(g) for g in self.param_groups],
-            "local": self.local.state_dict(),
-            "main_shards": [s.main for s in self.shards if not s.main_is_param],
-        }
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` saved on this rank, or a plain ``torch.optim`` state
-        dict of the same optimizer class (a run without fxzero: each rank takes its shard).
-        Collective (the params are gathered afterwards): every rank loads, or, if any rank's
-        state dict is wrong, every rank raises, naming that rank's problem."""
-        plain = is_plain_state_dict(state_dict)
-        problem, states = None, []
-        try:
-            if plain:
-                states = plain_fragment_states(state_dict, self.param_table, self.fragments)
-            else:
-                check_state_dict(state_dict, self.dp, layout_key(self.buffers), len(self.param_groups))
-        except (ValueError, KeyError, TypeError) as err:
-            problem = str(err)
-        self.dp.agree(problem, "load_state_dict")
-        with self.replacing_state():
-            if plain:
-                self.load_fragment_states(states)
-            else:
-                self.local.load_state_dict(state_dict["local"])
-                separate = [s for s in self.shards if not s.main_is_param]
-                for shard, saved in zip(separate, state_dict["main_shards"]):
-                    shard.main.copy_(saved)
-            for group, saved in zip(self.param_groups, state_dict["param_groups"]):
-                group.update(hyperparameters(saved))
-
-    def consolidated_state_dict(self) -> dict[str, Any]:
-        """The whole optimizer state in plain ``torch.optim`` format, on every rank
-        (collective: every rank of the group calls it). It loads into the wrapped
-        optimizer class over the same param groups without fxzero, or back into a
-        DistributedOptimizer at any world size (:meth:`load_state_dict`)."""
-        states = [self.fragment_state(f) for f in self.fragments]
-        state = consolidated_state(self.param_table, self.fragments, states, self.dp)
-        groups = [
-            hyperparameters(group) | {"params": list(self.param_table.group_slots[g])}
-            for g, group in enumerate(self.param_groups)
-        ]
-        return {"state": state, "param_groups": groups}
-
-    # ---- the state API checkpoints use (load_state_dict uses it too) -------------
-    @contextlib.contextmanager
-    def replacing_state(self) -> Iterator[None]:
-        """Replace this rank's fp32 masters (``fragments[i].param``) or the wrapped
-        optimizer's state inside the block. Gathers in flight land first, so none lands
-        over what is loaded; on exit the masters are published and gathered, so every
-        param holds the loaded values."""
-        self.finish_param_sync()
-        yield
-        self._publish_and_gather()
-        self.finish_param_sync()
-        self._rank_state.held = held_on_any_rank(self.local, self.dp, self.params[0].device)
-
-    def fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
-        """The wrapped optimizer's state of one of this rank's :attr:`fragments` (AdamW's
-        ``exp_avg``, ``exp_avg_sq``, ``step``); empty before its first update."""
-        return self.local.state.get(fragment.param, {})
-
-    def load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
-        """Give the wrapped optimizer ``states[i]`` for ``fragments[i]`` (inside
-        :meth:`replacing_state`); torch.optim's loader casts and moves each tensor as its
-        own policy wants."""
-        if len(states) != len(self.fragments):
-            raise ValueError(f"load_fragment_states: {len(states)} states for {len(self.fragments)} fragments")
-        index_of = {id(p): i for i, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
-        loaded = {index_of[id(f.param)]: state for f, state in zip(self.fragments, states) if state}
-        self.local.load_state_dict({"state": loaded, "param_groups": self.local.state_dict()["param_groups"]})
-
     @property
     def runtime_bytes(self) -> int:
         """Bytes of the runtime's own buffers on this rank: flat param and grad buffers,
@@ -429,14 +331,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for part in (self.reductions, self.param_sync, self.buffer_sync):
             counts.update(part.collectives_per_step())
         return dict(counts)
-
-    @property
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state on this rank: wrapped-optimizer state + separate fp32 mains."""
-        total = sum(s.main.nbytes for s in self.shards if not s.main_is_param)
-        for per_param in self.local.state.values():
-            total += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
-        return total
 
 
 def _remove_handles(handles: list[Any]) -> None:
