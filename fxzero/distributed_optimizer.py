@@ -50,7 +50,7 @@ from .mxfp8.gather import Mxfp8Gather
 from .optim.binding import GraphBinding, InputBinding, OwnerRef
 from .optim.buffer_sync import BufferSync
 from .optim.buffers import build_buffers
-from .optim.comm import DataParallelGroup
+from .optim.comm import DataParallelGroup, settle
 from .optim.ddp_guard import refuse_ddp
 from .optim.grad_sync import GradReductions, GradSync
 from .optim.grad_views import GradViews, grad_scaler_state
@@ -178,6 +178,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
         for param in self.params:
             param._fxzero_owner = OwnerRef(self)
+        # runs when the optimizer is collected and at interpreter exit: no collective dies mid-flight
+        weakref.finalize(self, _settle_in_flight, self.reductions, self.param_sync)
         self.grad_sync.install_hooks()
         weakref.finalize(self, self.grad_sync.remove_hooks)
         weakref.finalize(self, self.grad_views.remove)
@@ -331,6 +333,10 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         for part in (self.reductions, self.param_sync, self.buffer_sync):
             counts.update(part.collectives_per_step())
         return dict(counts)
+
+
+def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:
+    settle(reductions.pending_works() + param_sync.pending_works())
 
 
 def _remove_handles(handles: list[Any]) -> None:

@@ -136,6 +136,10 @@ class GradExchange:
             self._fill()
             self._retire()
 
+    def pending_works(self) -> list[dist.Work]:
+        """The chunks' collectives in flight (what exit waits for, :func:`~fxzero.optim.comm.settle`)."""
+        return [work for _, works, _ in self._in_flight for work in works]
+
     def _fill(self) -> None:
         while self._owed and len(self._in_flight) < self.slots:
             chunk = self._owed.popleft()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -99,6 +99,11 @@ class GradReductions:
             if work is not None:
                 self.dp.wait(work, "gradient reduction", index, self._described[index])
                 self._works[index] = None
+
+    def pending_works(self) -> list[Any]:
+        """The reductions' collectives in flight (what exit waits for, :func:`~fxzero.optim.comm.settle`)."""
+        exchanged = self.exchange.pending_works() if self.exchange is not None else []
+        return [w for w in self._works if w is not None] + exchanged
 
     @property
     def in_flight(self) -> bool:

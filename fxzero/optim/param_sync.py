@@ -180,6 +180,10 @@ class ParamSync:
         for index in self.order:
             self.wait(index)
 
+    def pending_works(self) -> list[Any]:
+        """The gathers in flight (what exit waits for, :func:`~fxzero.optim.comm.settle`)."""
+        return [w for w in self._works if w is not None]
+
     def collectives_per_step(self) -> dict[str, int]:
         """The gathers one step issues, by ``c10d`` op name (as ``torch.profiler`` names them)."""
         if self.dp.size == 1:
