@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import logging
+import time
 from typing import Any, Literal, Optional, Sequence
 
 import torch
@@ -63,6 +64,14 @@ def settle(works: Sequence[Any], timeout: float = 30.0) -> None:
                 one.wait(limit)
             except Exception as err:  # noqa: BLE001 - exiting: a failed or late collective changes nothing
                 log.debug("a collective still in flight at exit did not finish: %s", err)
+    if works:
+        # A gloo worker thread marks its work complete, then drops its own reference to it. If
+        # that is the last one (the caller's went in Python's final collection), the work's
+        # tensors are released on that thread, which takes the GIL during finalization and
+        # ends in std::terminate (a core dump showed ~AsyncAlltoallWork -> decref_pyobject ->
+        # take_gil -> pthread_exit). The caller still holds ``works``: give the worker threads
+        # a moment to let go first, so the last reference is dropped on the main thread.
+        time.sleep(0.05)
 
 
 @dataclasses.dataclass(frozen=True)
