@@ -34,7 +34,7 @@ Every config runs twice (``fxzero.testing`` pools, gloo, 1 CPU thread per rank):
    times, ratios and verdicts come from here: this machine's speed drifts by 10-15%
    over minutes, which made ratios of separate runs flip between runs, while configs
    stepping in turn see the same drift. fxzero's step then includes waiting for its
-   param all-gathers (no prefetch overlap across another config's step).
+   param all-gathers (no gather overlap across another config's step).
 
 A step is forward + backward + optimizer step + zero_grad, timed on each rank after a
 barrier; a step's time is the slower rank's. Medians are over ``--steps`` timed steps

@@ -270,7 +270,7 @@ def train_paired(configs: list[str], steps: int, warmup: int, bucket_size: int) 
     barrier. A slow minute of a shared machine then slows every config alike, which
     separate runs minutes apart cannot promise. Nothing may run across a config's
     window into the next one's, so fxzero's step here also waits for its param
-    all-gathers (``finish_param_sync``): its prefetch overlap is given up, which can
+    all-gathers (``finish_param_sync``): its gather overlap (fxzero + overlap) is given up, which can
     only make fxzero slower. Returns each config's step times (s) and losses (mean over ranks)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     data, batch = data_and_batch(world)
