@@ -157,8 +157,11 @@ def _tensor_norm(view: ShardedGrad, p: Any = "fro", dim: Any = None, keepdim: bo
 
 def _split(tensors: Sequence[Any]) -> tuple[list[int], list[int]]:
     """Positions of the views and of the other tensors (gradients assigned by hand) in a list."""
-    views = [i for i, t in enumerate(tensors) if isinstance(t, ShardedGrad)]
-    return views, sorted(set(range(len(tensors))) - set(views))
+    views: list[int] = []
+    plain: list[int] = []
+    for i, tensor in enumerate(tensors):
+        (views if isinstance(tensor, ShardedGrad) else plain).append(i)
+    return views, plain
 
 
 def _foreach_norm(tensors: Sequence[Any], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:

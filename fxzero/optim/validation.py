@@ -34,8 +34,7 @@ _GROUP_KEYS = ("params", "param_names")
 def check_optimizer_kwargs(optimizer_class: type, kwargs: dict[str, Any]) -> dict[str, Any]:
     """Build ``optimizer_class`` once on a probe tensor: unknown or invalid keyword
     arguments fail here, with the optimizer's own message, and its full defaults come back."""
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    _require_optimizer_class(optimizer_class)
     try:
         probe = optimizer_class([torch.zeros(1)], **kwargs)
     except TypeError as error:
@@ -43,6 +42,11 @@ def check_optimizer_kwargs(optimizer_class: type, kwargs: dict[str, Any]) -> dic
     except ValueError as error:
         raise ValueError(f"{optimizer_class.__name__} rejected keyword arguments {kwargs}: {error}") from error
     return dict(probe.defaults)
+
+
+def _require_optimizer_class(optimizer_class: Any) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
 
 
 def check_group_keys(groups: Sequence[dict[str, Any]], defaults: dict[str, Any], optimizer_class: type) -> None:
@@ -158,8 +162,7 @@ def check_elementwise(optimizer_class: type, declared: bool) -> None:
     ratios) would silently train a different optimizer on fragments, so any class not known
     to be elementwise is refused unless the user states that it is. Subclasses count as
     unknown: their ``step`` may differ."""
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    _require_optimizer_class(optimizer_class)
     check_first_order(optimizer_class)
     if optimizer_class in ELEMENTWISE_OPTIMIZERS or declared:
         return
