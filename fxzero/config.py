@@ -129,19 +129,31 @@ class Config:
     rank's buffers follow its own data after the construction-time broadcast (which
     ``init_sync`` controls), as DDP's ``forward_sync_buffers=False`` does."""
 
-    elementwise_optimizer: bool = False
-    """State that the wrapped optimizer class updates each element of a param from that
-    element's own gradient and state only (as Adam, SGD and Lion do), so fxzero may hand it
-    1-D fragments of params. torch.optim's elementwise classes are known and need no
-    statement (``fxzero.optim.validation.ELEMENTWISE_OPTIMIZERS``); any other class is
-    refused unless this is True, because an update that reads a param's shape (Adafactor,
-    Muon, LAMB's trust ratio) would run on fragments without an error and compute
-    something else."""
+    state_sharding: Literal["auto", "elementwise", "whole_params"] = "auto"
+    """How the wrapped optimizer's state is split over ranks.
+
+    ``"elementwise"``: every rank owns 1/dp of the elements of every bucket, so the wrapped
+    optimizer gets 1-D fragments of params (Megatron-LM's distributed optimizer). Exact only
+    for an optimizer that updates each element from that element's own gradient and state
+    (Adam, SGD, Lion): one whose update reads a param's shape or combines its elements
+    (Adafactor's factored moment, Muon's orthogonalization, LAMB's trust ratio) would compute
+    something else on fragments, without an error.
+
+    ``"whole_params"``: every param is owned, whole, by one rank, balanced by size
+    (:mod:`fxzero.optim.ownership`); the wrapped optimizer gets views shaped like the params.
+    Exact for any optimizer that updates each param on its own; costs padding where the
+    params of a bucket do not split evenly over ranks (``fxzero.explain`` shows it).
+
+    ``"auto"`` (the default): ``"elementwise"`` for the torch.optim classes known to be
+    elementwise (``fxzero.optim.validation.ELEMENTWISE_OPTIMIZERS``), ``"whole_params"`` for
+    every other class, subclasses and third-party optimizers included: an optimizer fxzero
+    does not know is served exactly. Say ``"elementwise"`` for one you know is (Lion) to
+    get the even split."""
 
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
         flags = ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
-                 "elementwise_optimizer", "broadcast_buffers")
+                 "broadcast_buffers")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -160,6 +172,8 @@ class Config:
                 f"Config.grad_collective must be 'auto', 'reduce_scatter', 'all_reduce' or 'all_to_all', "
                 f"got {self.grad_collective!r}"
             )
+        if self.state_sharding not in ("auto", "elementwise", "whole_params"):
+            raise ValueError(f"Config.state_sharding must be 'auto', 'elementwise' or 'whole_params', got {self.state_sharding!r}")
         if self.clip_grad is not None:
             if isinstance(self.clip_grad, bool) or not isinstance(self.clip_grad, (int, float)):
                 raise TypeError(f"Config.clip_grad must be a positive number or None, got {self.clip_grad!r}")

@@ -49,7 +49,7 @@ from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.binding import GraphBinding, InputBinding, OwnerRef
 from .optim.buffer_sync import BufferSync
-from .optim.buffers import build_buffers
+from .optim.buffers import build_buffers, owners_of
 from .optim.comm import DataParallelGroup, settle
 from .optim.ddp_guard import refuse_ddp
 from .optim.grad_sync import GradReductions, GradSync
@@ -66,8 +66,8 @@ from .optim.sharded_state import ShardedState
 from .optim.shards import build_shards
 from .optim.step_result import StepResult, warn_no_gradients
 from .optim.state_dict import hyperparameters
-from .optim.validation import check_elementwise, check_group_keys, check_leaves, check_managed_params
-from .optim.validation import check_optimizer_kwargs, layout_order
+from .optim.validation import check_group_keys, check_leaves, check_managed_params
+from .optim.validation import check_optimizer_kwargs, layout_order, resolve_state_sharding
 
 __all__ = ["DistributedOptimizer", "StepResult"]
 
@@ -106,13 +106,16 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self.config = config if config is not None else Config()
         if not isinstance(self.config, Config):
             raise TypeError(f"config must be a fxzero.Config, got {type(self.config).__name__}")
-        check_elementwise(optimizer_class, self.config.elementwise_optimizer)
+        self.whole_params = resolve_state_sharding(optimizer_class, self.config.state_sharding)
+        """Whether each param is owned whole by one rank (``Config.state_sharding``), not split in fragments."""
         self.dp = DataParallelGroup.resolve(process_group, self.config.grad_collective)
         self._constructing = True
         super().__init__(params, defaults={})
         self._constructing = False
         self._kwargs = dict(defaults)
-        self.defaults = check_optimizer_kwargs(optimizer_class, defaults)
+        names = param_names(self.param_groups, module)
+        probed = [(_label(names, g, i, p), p) for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])]
+        self.defaults = check_optimizer_kwargs(optimizer_class, defaults, probed if self.whole_params else None)
         check_group_keys(self.param_groups, self.defaults, optimizer_class)
         for group in self.param_groups:
             for name, value in self.defaults.items():
@@ -120,13 +123,12 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         params = check_managed_params(self.param_groups)
         self.optimizer_class = optimizer_class
         layout = layout_order(params, module, len(self.param_groups))
-        names = param_names(self.param_groups, module)
         check_ranks_agree(self.dp, describe_layout(layout, self.param_groups, names, self._settings()), params[0].device)
         # Eager reads can only be made to wait through the module's hooks: no module, no overlap.
         overlap = self.config.overlap_param_gather and module is not None
         if self.config.overlap_param_gather and module is None and self.dp.size > 1:
             log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
-        self.buffers = build_buffers(layout, self.config, self.dp)
+        self.buffers = build_buffers(layout, self.config, self.dp, whole_params=self.whole_params)
         self.buffer_sync = BufferSync(module, self.dp, self.config.broadcast_buffers)
         if self.config.init_sync:
             broadcast_initial_state(self.dp, [b.param_data for b in self.buffers], module, params)
@@ -134,7 +136,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             self.buffer_sync.broadcast()
         self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
         bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
-        self.param_table = ParamTable.build(self.param_groups, names, bucket_of)
+        self.param_table = ParamTable.build(self.param_groups, names, bucket_of, owners_of(self.buffers))
         """Every managed param's slot, name, group and bucket: what the other parts look params up in."""
         self.params = self.param_table.params
         self._build_runtime(overlap)
@@ -147,7 +149,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         """Everything besides the params that shapes the buckets and collectives."""
         c = self.config
         return (c.resolved_bucket_size(self.dp.size, self.dp.backend), c.pad_for_high_busbw, c.shard_multiple, c.grad_dtype,
-                self.dp.grad_collective, c.mxfp8_param_gather, c.reuse_grad_buf_for_mxfp8_param_ag)  # fmt: skip
+                self.dp.grad_collective, c.mxfp8_param_gather, c.reuse_grad_buf_for_mxfp8_param_ag, self.whole_params)  # fmt: skip
 
     def _build_runtime(self, overlap: bool) -> None:
         """Assemble the parts; each gets what it needs at construction (no callback is
@@ -337,6 +339,11 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
 
 def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:
     settle(reductions.pending_works() + param_sync.pending_works())
+
+
+def _label(names: dict[int, str], group: int, index: int, param: torch.Tensor) -> str:
+    name = names.get(id(param))
+    return repr(name) if name else f"param_groups[{group}]['params'][{index}]"
 
 
 def _remove_handles(handles: list[Any]) -> None:

@@ -44,7 +44,8 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 
 from .._torch_compat import DcpCheckpointable
 from ..optim.layout import Fragment
-from ..optim.state_dict import hyperparameters
+from ..optim.shards import FragmentTensor
+from ..optim.state_dict import hyperparameters, is_elementwise_state
 
 if TYPE_CHECKING:
     from ..distributed_optimizer import DistributedOptimizer
@@ -148,9 +149,9 @@ def slot_names(model: torch.nn.Module, opt: "DistributedOptimizer") -> list[str]
     return [name_of[id(p)] for p in opt.params]
 
 
-def _kind(value: Any, fragment_numel: int, where: str) -> Any:
+def _kind(value: Any, frag: FragmentTensor, where: str) -> Any:
     if isinstance(value, torch.Tensor):
-        return SHARDED if value.dim() == 1 and value.numel() == fragment_numel else TENSOR
+        return SHARDED if is_elementwise_state(value, frag) else TENSOR
     if value is None or isinstance(value, (bool, int, float, str)):
         return ["value", value]
     raise CheckpointError(f"optimizer state {where} is a {type(value).__name__}; checkpoints hold tensors and JSON scalars")
@@ -162,11 +163,11 @@ def save_state(model: torch.nn.Module, opt: "DistributedOptimizer", names: Seque
     spec: dict[str, dict[str, Any]] = {}
     for frag in opt.fragments:
         name, numel, where = names[frag.slot], opt.params[frag.slot].numel(), frag.where
-        state[f"{OPTIM}{name}/main"] = Chunk(frag.param.detach(), where.param_offset, numel)
+        state[f"{OPTIM}{name}/main"] = Chunk(frag.param.detach().reshape(-1), where.param_offset, numel)
         for key, value in opt.fragment_state(frag).items():
-            kind = spec.setdefault(name, {})[key] = _kind(value, where.numel, f"{key!r} of {name!r}")
+            kind = spec.setdefault(name, {})[key] = _kind(value, frag, f"{key!r} of {name!r}")
             if kind == SHARDED:
-                state[f"{OPTIM}{name}/{key}"] = Chunk(value, where.param_offset, numel)
+                state[f"{OPTIM}{name}/{key}"] = Chunk(value.reshape(-1), where.param_offset, numel)
             elif kind == TENSOR:
                 state[f"{OPTIM}{name}/{key}"] = value
     return state, spec
@@ -259,14 +260,16 @@ def apply_loaded(
         states = []
         for frag in opt.fragments:
             name = names[frag.slot]
-            frag.param.copy_(targets[f"{OPTIM}{name}/main"].local)
-            states.append({key: _loaded_value(targets, f"{OPTIM}{name}/{key}", kind) for key, kind in spec.get(name, {}).items()})
+            frag.param.view(-1).copy_(targets[f"{OPTIM}{name}/main"].local)
+            states.append(
+                {key: _loaded_value(targets, f"{OPTIM}{name}/{key}", kind, frag) for key, kind in spec.get(name, {}).items()}
+            )
         opt.load_fragment_states(states)
 
 
-def _loaded_value(targets: dict[str, Any], fqn: str, kind: Any) -> Any:
+def _loaded_value(targets: dict[str, Any], fqn: str, kind: Any, frag: FragmentTensor) -> Any:
     if kind == SHARDED:
-        return targets[fqn].local
+        return targets[fqn].local.view(frag.param.shape)
     return targets[fqn] if kind == TENSOR else kind[1]
 
 

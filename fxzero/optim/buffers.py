@@ -19,8 +19,9 @@ import torch
 from ..config import Config
 from .comm import DataParallelGroup
 from .layout import BufferPlan, plan_buckets
+from .ownership import plan_owned_buckets
 
-__all__ = ["Bucket", "ParamAndGradBuffer", "build_buffers", "shard_buffer"]
+__all__ = ["Bucket", "ParamAndGradBuffer", "build_buffers", "owners_of", "shard_buffer"]
 
 
 def shard_buffer(buffer: torch.Tensor, dp_size: int) -> tuple[torch.Tensor, ...]:
@@ -105,16 +106,20 @@ class ParamAndGradBuffer:
         return self.param_data.nbytes + self.grad_data.nbytes
 
 
-def build_buffers(layout: Sequence[torch.nn.Parameter], config: Config, dp: DataParallelGroup) -> tuple[ParamAndGradBuffer, ...]:
+def build_buffers(
+    layout: Sequence[torch.nn.Parameter], config: Config, dp: DataParallelGroup, *, whole_params: bool = False
+) -> tuple[ParamAndGradBuffer, ...]:
     """One buffer per param dtype, in order of first appearance in ``layout``; bucket
-    indices run on over the buffers."""
+    indices run on over the buffers. ``whole_params`` lays each param inside one rank's
+    shard (:mod:`fxzero.optim.ownership`) instead of cutting it at shard boundaries."""
+    planner = plan_owned_buckets if whole_params else plan_buckets
     groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for param in layout:
         groups.setdefault(param.dtype, []).append(param)
     bucket_size = config.resolved_bucket_size(dp.size, dp.backend)
     buffers, first = [], 0
     for params in groups.values():
-        plan = plan_buckets(
+        plan = planner(
             params,
             dp_size=dp.size,
             bucket_size=bucket_size,
@@ -125,3 +130,13 @@ def build_buffers(layout: Sequence[torch.nn.Parameter], config: Config, dp: Data
         buffers.append(ParamAndGradBuffer(params, plan, grad_dtype=config.grad_dtype, first_bucket_index=first))
         first += len(plan.buckets)
     return tuple(buffers)
+
+
+def owners_of(buffers: Sequence[ParamAndGradBuffer]) -> dict[int, int]:
+    """``id(param) -> rank`` owning it whole (empty for elementwise plans)."""
+    return {
+        id(param): owner
+        for buffer in buffers
+        if buffer.plan.owners is not None
+        for param, owner in zip(buffer.params, buffer.plan.owners)
+    }

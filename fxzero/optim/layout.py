@@ -75,6 +75,10 @@ class BufferPlan:
     param_ranges: tuple[tuple[int, int, int], ...]
     """For each param index: ``(start, end, bucket_id)`` in the flat buffer."""
     dp_size: int
+    owners: Optional[tuple[int, ...]] = None
+    """For each param index, the rank whose shard holds the whole param, in a whole-param plan
+    (:func:`fxzero.optim.ownership.plan_owned_buckets`); ``None`` in an elementwise plan, where
+    every rank holds a fragment of (nearly) every param."""
 
     @property
     def padding_fraction(self) -> float:

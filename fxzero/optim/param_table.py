@@ -34,6 +34,9 @@ class ParamRow:
     """Index of its param group."""
     bucket: int
     """Index of the bucket holding it (over all buffers)."""
+    owner: Optional[int] = None
+    """The rank that owns it whole (its optimizer state, its update) under whole-param
+    ownership; ``None`` when every rank owns a fragment of it."""
 
     @property
     def label(self) -> str:
@@ -61,11 +64,13 @@ class ParamTable:
         groups: Sequence[dict[str, Any]],
         names: dict[int, str],
         bucket_of: dict[int, int],
+        owner_of: Optional[dict[int, int]] = None,
     ) -> "ParamTable":
-        """Rows for ``groups``' params in group order; ``names`` and ``bucket_of`` are keyed
-        by ``id(param)`` (of params held alive by ``groups``)."""
+        """Rows for ``groups``' params in group order; ``names``, ``bucket_of`` and ``owner_of``
+        are keyed by ``id(param)`` (of params held alive by ``groups``)."""
         pairs = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
-        rows = [ParamRow(slot, p, names.get(id(p)), g, bucket_of[id(p)]) for slot, (g, p) in enumerate(pairs)]
+        owners = owner_of or {}
+        rows = [ParamRow(slot, p, names.get(id(p)), g, bucket_of[id(p)], owners.get(id(p))) for slot, (g, p) in enumerate(pairs)]
         return cls(rows, num_groups=len(groups))
 
     def __len__(self) -> int:

@@ -188,7 +188,7 @@ class ReducedGrads:
         for slot, grad in hand:
             flat = grad.detach().reshape(-1)
             for frag in self._of_slot[slot]:
-                frag.grad.copy_(flat[frag.where.param_offset : frag.where.param_offset + frag.where.numel])
+                frag.grad.view(-1).copy_(flat[frag.where.param_offset : frag.where.param_offset + frag.where.numel])
             self._scale[slot] = 1.0
             self._hand[slot] = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
         self.ledger.written = True  # the grad buffers need zeroing after the step

@@ -41,7 +41,8 @@ class BucketShard:
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class FragmentTensor:
-    """A fragment as the wrapped optimizer sees it: a leaf view and its grad view."""
+    """A fragment as the wrapped optimizer sees it: a leaf view and its grad view (1-D, or
+    shaped like the param when the fragment is a whole param of a whole-param plan)."""
 
     slot: int
     """Index of the owning param among the optimizer's managed params."""
@@ -69,7 +70,8 @@ def build_shards(
 ) -> tuple[tuple[BucketShard, ...], tuple[FragmentTensor, ...]]:
     """Make this rank's bucket shards and fragment tensors, in bucket order.
     ``separate_mains`` keeps fp32 masters apart from fp32 params too (a lossy gather
-    overwrites the param shard)."""
+    overwrites the param shard). In a whole-param plan every fragment is a whole param and
+    its tensors are shaped like it: what a shape-aware optimizer (Muon, Adafactor) reads."""
     shards: list[BucketShard] = []
     fragments: list[FragmentTensor] = []
     for buffer in buffers:
@@ -78,8 +80,10 @@ def build_shards(
         for frag in shard_fragments(buffer.plan, rank):
             shard = local[frag.bucket_id]
             lo, hi = frag.shard_offset, frag.shard_offset + frag.numel
-            slot = table.slots([buffer.params[frag.param_index]])[0]
-            view = shard.main[lo:hi]
-            view.grad = shard.main_grad[lo:hi]
+            param = buffer.params[frag.param_index]
+            slot = table.slots([param])[0]
+            shape = param.shape if buffer.plan.owners is not None else (frag.numel,)
+            view = shard.main[lo:hi].view(shape)
+            view.grad = shard.main_grad[lo:hi].view(shape)
             fragments.append(FragmentTensor(slot, view, view.grad, frag))
     return tuple(shards), tuple(fragments)

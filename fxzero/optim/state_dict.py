@@ -17,6 +17,7 @@ __all__ = [
     "STATE_FORMAT",
     "check_state_dict",
     "consolidated_state",
+    "is_elementwise_state",
     "hyperparameters",
     "is_plain_state_dict",
     "layout_key",
@@ -52,8 +53,9 @@ def check_state_dict(state_dict: Any, dp: DataParallelGroup, layout: list[Any], 
 
 
 def layout_key(buffers: Sequence[ParamAndGradBuffer]) -> list[tuple[str, int, list[tuple[int, int]]]]:
-    """What a same-world-size resume must find unchanged: each buffer's dtype, size and bucket bounds."""
-    return [(str(b.param_dtype), b.plan.numel, [(s.start, s.end) for s in b.plan.buckets]) for b in buffers]
+    """What a same-world-size resume must find unchanged: each buffer's dtype, size, bucket
+    bounds and, under whole-param ownership, each param's owner."""
+    return [(str(b.param_dtype), b.plan.numel, [(s.start, s.end) for s in b.plan.buckets], b.plan.owners) for b in buffers]
 
 
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
@@ -86,18 +88,27 @@ def plain_fragment_states(
     for frag in fragments:
         state = state_dict["state"].get(order[frag.slot], {})
         numel, where = table.params[frag.slot].numel(), frag.where
-        states.append({key: _fragment_of(value, numel, where.param_offset, where.numel) for key, value in state.items()})
+        states.append({key: _fragment_of(value, numel, where.param_offset, frag.param.shape) for key, value in state.items()})
     return states
 
 
-def _fragment_of(value: Any, numel: int, offset: int, length: int) -> Any:
+def _fragment_of(value: Any, numel: int, offset: int, shape: torch.Size) -> Any:
     """A copy of each tensor: torch.optim's loader keeps some (``step``) as given, and the
-    optimizer updates them in place, so fragments must never share one."""
+    optimizer updates them in place, so fragments must never share one. A tensor with as
+    many elements as the param is cut to the fragment and shaped as the fragment is."""
     if not isinstance(value, torch.Tensor):
         return value
     if value.dim() > 0 and value.numel() == numel:
-        return value.detach().reshape(-1)[offset : offset + length].clone()
+        return value.detach().reshape(-1)[offset : offset + shape.numel()].clone().view(shape)
     return value.detach().clone()
+
+
+def is_elementwise_state(value: Any, fragment: FragmentTensor) -> bool:
+    """A state tensor shaped like the fragment it belongs to (AdamW's moments, Muon's
+    momentum): it holds one value per element and is cut, joined and resharded as the
+    param is. Anything else (a step count, Adafactor's row and column statistics) is kept
+    whole, by the rank(s) holding it."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == fragment.param.shape
 
 
 def consolidated_state(
@@ -112,7 +123,7 @@ def consolidated_state(
     held: dict[int, dict[str, Any]] = {}
     for frag, state in zip(fragments, states):
         for key, value in state.items():
-            elementwise = isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == frag.where.numel
+            elementwise = is_elementwise_state(value, frag)
             entry = ("elementwise", str(value.dtype).removeprefix("torch.")) if elementwise else ("value", _portable(value))
             held.setdefault(frag.slot, {})[key] = entry
     spec = _merge([held] if dp.size == 1 else _all_gather_objects(held, dp))
@@ -131,7 +142,7 @@ def consolidated_state(
         for key, value in state.items():
             if spec[frag.slot][key][0] == "elementwise":
                 lo = frag.where.param_offset
-                full[frag.slot][key].view(-1)[lo : lo + frag.where.numel].copy_(value)
+                full[frag.slot][key].view(-1)[lo : lo + frag.where.numel].copy_(value.reshape(-1))
     if dp.size > 1:
         for dtype in sorted(flat, key=str):
             tensors = [t for _, _, t in flat[dtype]]

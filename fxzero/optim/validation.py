@@ -17,7 +17,8 @@ import torch
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
-    "check_elementwise",
+    "SHAPE_AWARE_OPTIMIZERS",
+    "resolve_state_sharding",
     "check_first_order",
     "check_group_keys",
     "check_leaves",
@@ -31,17 +32,40 @@ log = logging.getLogger(__name__)
 _GROUP_KEYS = ("params", "param_names")
 
 
-def check_optimizer_kwargs(optimizer_class: type, kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Build ``optimizer_class`` once on a probe tensor: unknown or invalid keyword
-    arguments fail here, with the optimizer's own message, and its full defaults come back."""
+def check_optimizer_kwargs(
+    optimizer_class: type, kwargs: dict[str, Any], params: Optional[Sequence[tuple[str, torch.Tensor]]] = None
+) -> dict[str, Any]:
+    """Build ``optimizer_class`` on a tiny probe tensor: unknown or invalid keyword arguments
+    fail here, with the optimizer's own message, and its full defaults come back.
+
+    ``params`` (label, param) are the tensors it will get whole (whole-param ownership); the
+    probe then takes each of their numbers of dimensions, so an optimizer that refuses some
+    params (Muon: 2-D only) is reported naming such a param, not blaming the keywords."""
     _require_optimizer_class(optimizer_class)
+    ndims = sorted({max(p.dim(), 1) for _, p in params}) if params else [1]
+    probes = {ndim: _probe(optimizer_class, kwargs, ndim) for ndim in ndims}
+    working = [p for p in probes.values() if isinstance(p, torch.optim.Optimizer)]
+    if not working:
+        error = probes[ndims[0]]
+        kind = TypeError if isinstance(error, TypeError) else ValueError
+        shown = sorted(kwargs) if kind is TypeError else kwargs
+        raise kind(f"{optimizer_class.__name__} rejected keyword arguments {shown}: {error}") from error
+    for label, param in params or ():
+        error = probes[max(param.dim(), 1)]
+        if isinstance(error, Exception):
+            raise type(error)(
+                f"{optimizer_class.__name__} does not take param {label} (shape {tuple(param.shape)}): {error} Give it "
+                "only the params it takes (e.g. one DistributedOptimizer with Muon over the 2-D matrices and one with "
+                "AdamW over the rest)."
+            ) from error
+    return dict(working[0].defaults)
+
+
+def _probe(optimizer_class: type, kwargs: dict[str, Any], ndim: int) -> Any:
     try:
-        probe = optimizer_class([torch.zeros(1)], **kwargs)
-    except TypeError as error:
-        raise TypeError(f"{optimizer_class.__name__} rejected keyword arguments {sorted(kwargs)}: {error}") from error
-    except ValueError as error:
-        raise ValueError(f"{optimizer_class.__name__} rejected keyword arguments {kwargs}: {error}") from error
-    return dict(probe.defaults)
+        return optimizer_class([torch.zeros((1,) * ndim)], **kwargs)
+    except (TypeError, ValueError) as error:
+        return error
 
 
 def _require_optimizer_class(optimizer_class: Any) -> None:
@@ -133,14 +157,22 @@ def layout_order(
 
 def check_first_order(optimizer_class: type) -> None:
     """Optimizers whose ``step`` requires a closure (``torch.optim.LBFGS``) re-evaluate
-    the model between inner updates and take dot products over whole params; with each
-    rank holding 1/dp of every param neither can work, so they are refused up front."""
+    the model between inner updates and take dot products over all params together; with
+    the params split over ranks (fragments or whole params) neither can work, so they are
+    refused up front. ``torch.optim.SparseAdam`` takes sparse gradients only, which never
+    exist here (gradients are reduced into flat dense buffers)."""
+    if optimizer_class is torch.optim.SparseAdam:
+        raise ValueError(
+            "SparseAdam takes sparse gradients only (nn.Embedding(sparse=True)); fxzero reduces every gradient into "
+            "flat dense buffers, so SparseAdam would refuse each of them. Use Adam/AdamW (dense, same update on the "
+            "rows that have gradients) with fxzero, or SparseAdam with the plain model."
+        )
     closure = inspect.signature(optimizer_class.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise ValueError(
             f"{optimizer_class.__name__}.step(closure) needs a closure that it calls repeatedly, re-evaluating the "
-            "model between its own inner updates and computing curvature over whole params; fxzero shards the "
-            "optimizer (each rank updates 1/dp of every param), so it cannot run it. Use "
+            "model between its own inner updates and computing curvature over all params together; fxzero splits the "
+            "params over ranks (each updates 1/dp of them), so it cannot run it. Use "
             f"{optimizer_class.__name__} with the plain model (or DDP), or a first-order optimizer (SGD, Adam, AdamW)."
         )
 
@@ -155,26 +187,30 @@ a param gives bitwise the same values as updating the param (``tests/test_optim_
 torch's own table of their configurations)."""
 
 
-def check_elementwise(optimizer_class: type, declared: bool) -> None:
-    """fxzero hands the wrapped optimizer 1-D fragments of params (each rank 1/dp of each
-    param). An update that reads a param's shape or combines its elements (Adafactor's
-    factored second moment, Muon's orthogonalization, LAMB's and LARS's per-param trust
-    ratios) would silently train a different optimizer on fragments, so any class not known
-    to be elementwise is refused unless the user states that it is. Subclasses count as
-    unknown: their ``step`` may differ."""
+SHAPE_AWARE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in ("Adafactor", "Muon") if hasattr(torch.optim, name))
+"""torch.optim classes whose update reads a param's shape: never elementwise."""
+
+
+def resolve_state_sharding(optimizer_class: type, setting: str) -> bool:
+    """Whether ``optimizer_class`` gets whole-param ownership under ``Config.state_sharding``.
+
+    ``"auto"`` gives fragments (1-D, each rank 1/dp of each param) only to the classes known
+    to be elementwise. An update that reads a param's shape or combines its elements
+    (Adafactor, Muon, Shampoo, LAMB's and LARS's trust ratios) would silently train another
+    optimizer on fragments, so every other class, subclasses included (their ``step`` may
+    differ), gets whole params: served exactly, at the cost of uneven shards."""
     _require_optimizer_class(optimizer_class)
     check_first_order(optimizer_class)
-    if optimizer_class in ELEMENTWISE_OPTIMIZERS or declared:
-        return
-    known = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-    raise ValueError(
-        f"{optimizer_class.__module__}.{optimizer_class.__qualname__} is not one of the optimizers fxzero knows to update "
-        f"each element from that element's own gradient and state ({known}). fxzero gives the wrapped optimizer 1-D "
-        "fragments of params, so an optimizer whose update reads a param's shape or combines its elements "
-        "(Adafactor, Muon, Shampoo, LAMB, LARS) would silently compute something else; whole-param ownership "
-        "for such optimizers is not built yet. Use it without fxzero (DDP or ZeroRedundancyOptimizer), or, if "
-        f"{optimizer_class.__name__} is elementwise (Lion is, say), state it: fxzero.Config(elementwise_optimizer=True)."
-    )
+    if setting == "elementwise" and optimizer_class in SHAPE_AWARE_OPTIMIZERS:
+        raise ValueError(
+            f"Config(state_sharding='elementwise') cannot serve {optimizer_class.__name__}: its update reads each "
+            "param's shape (a 1-D fragment of a matrix is another optimizer's input). Use state_sharding='auto' or "
+            "'whole_params'."
+        )
+    whole = setting == "whole_params" or (setting == "auto" and optimizer_class not in ELEMENTWISE_OPTIMIZERS)
+    if whole and setting == "auto":
+        log.info("fxzero: %s is not known to be elementwise: each param is owned whole by one rank", optimizer_class.__name__)
+    return whole
 
 
 def check_leaves(group: dict[str, Any], group_index: int) -> None:
