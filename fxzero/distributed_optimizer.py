@@ -58,6 +58,7 @@ from .optim.initial_broadcast import broadcast_initial_state
 from .optim.layout_agreement import check_ranks_agree, describe_layout
 from .optim.ledger import Ledger
 from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
+from .optim.ownership import Balance, balance
 from .optim.param_table import ParamTable, param_names
 from .optim.param_watch import ParamWatch
 from .optim.rank_state import RankState
@@ -139,6 +140,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self.param_table = ParamTable.build(self.param_groups, names, bucket_of, owners_of(self.buffers))
         """Every managed param's slot, name, group and bucket: what the other parts look params up in."""
         self.params = self.param_table.params
+        if self.whole_params:
+            log.info("fxzero: %s", self.balance.describe())  # type: ignore[union-attr]
         self._build_runtime(overlap)
         if module is not None:
             handles = [*install_param_waits(module, self.param_table, self.param_sync), module.register_forward_pre_hook(refuse_ddp)]
@@ -316,6 +319,14 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             self.ledger.zeroed()
         self.ledger.start_step()
         self.reduced.reset()
+
+    @property
+    def balance(self) -> Optional[Balance]:
+        """Under whole-param ownership, how evenly the params (and so the optimizer state) are
+        spread over ranks, and the padding that costs; ``None`` for fragments (even by construction)."""
+        if not self.whole_params:
+            return None
+        return balance([b.plan for b in self.buffers], [b.params for b in self.buffers])
 
     @property
     def runtime_bytes(self) -> int:

@@ -91,7 +91,21 @@ def _bucket_section(explained: "Explained") -> str:
         f"in {padded:,} buffer elements ({pad:.1f}% padding: param starts aligned, buckets to dp shards)"
     )
     rows = [_bucket_row(b, explained) for b in buckets]
-    return title + "\n" + tabulate(rows, headers=_HEADERS, tablefmt="github")
+    return title + "\n" + tabulate(rows, headers=_HEADERS, tablefmt="github") + _ownership_section(explained.optimizer)
+
+
+def _ownership_section(optimizer: Any) -> str:
+    """Under whole-param ownership: which rank owns (holds the state of, updates) which param."""
+    balance = optimizer.balance
+    if balance is None:
+        return ""
+    table = optimizer.param_table
+    rows = []
+    for rank in range(optimizer.dp.size):
+        labels = [row.label for row in table.rows if row.owner == rank]
+        shown = ", ".join(labels[:6]) + (f", … ({len(labels)} params)" if len(labels) > 6 else "")
+        rows.append([rank, len(labels), balance.elements[rank], shown])
+    return "\n\n" + balance.describe() + "\n" + tabulate(rows, headers=["rank", "params", "elements", "owns"], tablefmt="github")
 
 
 # ---- the graphs ---------------------------------------------------------------------
