@@ -42,7 +42,9 @@ __all__ = ["REGION_SPREAD", "Balance", "balance", "plan_owned_buckets"]
 
 REGION_SPREAD = 8
 """A bucket closes only when its smallest rank region is within 1/8 of its largest (at most
-12.5% of a closed bucket, except the last, is padding between regions)."""
+12.5% of a closed bucket is padding between regions); params left over at the end that do
+not balance alone join the buckets before them until they do. Memory is preferred to
+overlap: with few params per rank (large dp) buckets get large, down to one."""
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -51,27 +53,35 @@ def _round_up(value: int, multiple: int) -> int:
 
 @dataclasses.dataclass
 class _Deal:
-    """The open bucket: each rank's param indices and region size (aligned starts included)."""
+    """A bucket's params dealt to ranks: each rank's param indices (walk order) and region size."""
 
-    dp: int
-    regions: list[list[int]] = dataclasses.field(default_factory=list)
-    sizes: list[int] = dataclasses.field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.regions, self.sizes = [[] for _ in range(self.dp)], [0] * self.dp
+    regions: list[list[int]]
+    sizes: list[int]
 
     @property
-    def members(self) -> int:
-        return sum(len(r) for r in self.regions)
+    def balanced(self) -> bool:
+        low, high = min(self.sizes), max(self.sizes)
+        return (high - low) * REGION_SPREAD <= high
 
 
-def _aligned_size(offset: int, numel: int, align: int) -> int:
-    return _round_up(offset, align) + numel
-
-
-def _full(sizes: Sequence[int], target: int) -> bool:
-    low, high = min(sizes), max(sizes)
-    return low >= target and (high - low) * REGION_SPREAD <= high
+def _deal(members: Sequence[int], numels: Sequence[int], aligns: Sequence[int], owned: Sequence[int]) -> _Deal:
+    """Largest param first to the rank with the smallest region (ties: the fewest elements owned
+    over earlier buckets, then the lowest rank); each region then lies in walk order."""
+    dp = len(owned)
+    regions: list[list[int]] = [[] for _ in range(dp)]
+    load = [0] * dp
+    for index in sorted(members, key=lambda i: (-numels[i], -i)):
+        rank = min(range(dp), key=lambda r: (load[r], owned[r], r))
+        regions[rank].append(index)
+        load[rank] += _round_up(numels[index], aligns[index])
+    sizes = []
+    for region in regions:
+        region.sort(reverse=True)
+        offset = 0
+        for index in region:
+            offset = _round_up(offset, aligns[index]) + numels[index]
+        sizes.append(offset)
+    return _Deal(regions, sizes)
 
 
 def plan_owned_buckets(
@@ -95,28 +105,38 @@ def plan_owned_buckets(
         raise ValueError(f"plan_owned_buckets: bucket_size must be an int > 0 or None, got {bucket_size!r}")
     divisor = bucket_divisor(dp_size, pad_for_high_busbw, shard_multiple)
     unit = math.lcm(divisor // dp_size, PARAM_START_ALIGN, shard_multiple)  # a shard's size is a multiple of it
+    numels = [p.numel() for p in params]
     aligns = [
         param_start_alignment(p.numel(), min(p.element_size(), (grad_dtype or p.dtype).itemsize), shard_multiple)
         for p in params
     ]
-    target = None if bucket_size is None else -(-bucket_size // dp_size)
-    owned = [0] * dp_size
-    deals: list[_Deal] = []
-    deal = _Deal(dp_size)
+    owned, deals, members, filled = [0] * dp_size, [], [], 0
+
+    def close() -> None:
+        nonlocal members, filled
+        deal = _deal(members, numels, aligns, owned)
+        for rank, region in enumerate(deal.regions):
+            owned[rank] += sum(numels[i] for i in region)
+        deals.append(deal)
+        members, filled = [], 0
+
     for index in reversed(range(len(params))):
         shared = bool(getattr(params[index], "shared_embedding", False))
-        if shared and deal.members:
-            deals.append(deal)
-            deal = _Deal(dp_size)
-        rank = min(range(dp_size), key=lambda r: (deal.sizes[r], owned[r], r))
-        deal.sizes[rank] = _aligned_size(deal.sizes[rank], params[index].numel(), aligns[index])
-        deal.regions[rank].append(index)
-        owned[rank] += params[index].numel()
-        if shared or (target is not None and _full(deal.sizes, target)):
-            deals.append(deal)
-            deal = _Deal(dp_size)
-    if deal.members:
-        deals.append(deal)
+        if shared and members:
+            close()
+        members.append(index)
+        filled += numels[index]
+        full = bucket_size is not None and filled >= bucket_size and _deal(members, numels, aligns, owned).balanced
+        if shared or full:
+            close()
+    while members and deals and not _deal(members, numels, aligns, owned).balanced:
+        # the params left after the last balanced bucket rarely balance alone: deal them with it
+        last = deals.pop()
+        for rank, region in enumerate(last.regions):
+            owned[rank] -= sum(numels[i] for i in region)
+        members = sorted((i for region in last.regions for i in region), reverse=True) + members
+    if members:
+        close()
     return _place(params, deals, aligns, unit, dp_size)
 
 
