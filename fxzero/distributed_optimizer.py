@@ -9,7 +9,9 @@ A step has three communication phases, all on buffers laid out once at construct
    this rank's fragments and a "got a gradient" flag; then the wrapped ``torch.optim``
    optimizer updates the fp32 main fragments of this rank's shards only (1/dp of the
    optimizer state per rank), skipping params that got no gradient on any rank and the
-   whole update when the global norm is not finite;
+   whole update when the global norm is not finite. Under whole-param ownership
+   (``Config.state_sharding``, :mod:`fxzero.optim.ownership`) a rank's shard holds whole
+   params, and the wrapped optimizer sees them in their own shapes;
 3. **all-gather**: each bucket's updated param shard is gathered back in place into
    ``param_data``, which the model's params are views of. With
    ``Config.mxfp8_param_gather`` the shard is quantized to MXFP8 first and the gather

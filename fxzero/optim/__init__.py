@@ -1,4 +1,4 @@
-"""What the sharded optimizer runs on: layout plans, flat buffers, the param table, shards,
+"""What the sharded optimizer runs on: layout plans (elementwise and whole-param), flat buffers, the param table, shards,
 the process group, the readiness ledger, gradient reduce-scatters and param all-gathers
 (the gather protocol). :class:`fxzero.DistributedOptimizer` assembles them."""
 
@@ -8,10 +8,12 @@ from .grad_sync import GradReductions, GradSync
 from .grad_views import ShardedGrad
 from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, param_start_alignment, plan_buckets, shard_fragments
 from .ledger import Ledger
+from .ownership import Balance, balance, plan_owned_buckets
 from .param_sync import Gather
 from .param_table import ParamRow, ParamTable
 
 __all__ = [
+    "Balance",
     "Bucket",
     "BucketPlan",
     "BufferPlan",
@@ -26,9 +28,11 @@ __all__ = [
     "ParamRow",
     "ParamTable",
     "ShardedGrad",
+    "balance",
     "bucket_divisor",
     "param_start_alignment",
     "plan_buckets",
+    "plan_owned_buckets",
     "shard_buffer",
     "shard_fragments",
 ]
