@@ -90,6 +90,11 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     (weight-decay groups do): the layout then follows the module's registration order,
     as Megatron-LM's does, instead of group order, which would put first- and
     last-layer params in one bucket and leave no reduce-scatter to overlap backward.
+
+    ``process_group`` is the data-parallel group, or a 1-D ``DeviceMesh`` (``mesh["dp"]``);
+    DTensor params placed over the mesh's other dims (tensor parallelism) train in eager mode,
+    their local tensors in the buffers, the gradient norm taken over the whole mesh
+    (:mod:`fxzero.optim.mesh`).
     """
 
     _step_supports_amp_scaling = True

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
@@ -239,6 +240,29 @@ def test_replicated_params_count_once_in_the_norm() -> None:
     assert _close(step["grad_norm"], step["ref_norm"], 1e-6)
 
 
+def _nan_on_one_tp_rank() -> dict[str, Any]:
+    """A NaN in the gradient of a replicated (plain) param on TP coordinate 1 only: its
+    contribution to the norm is masked there (counted on coordinate 0), yet every rank skips."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TinyLlama(Args())
+    parallelize(model, mesh["tp"])
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, process_group=mesh["dp"], module=model)
+    if mesh["tp"].get_local_rank() == 1:
+        model.logit_scale.register_hook(lambda grad: grad * float("nan"))
+    before = [_full(p).clone() for p in model.parameters()]
+    _loss(model, _tokens(0).chunk(2)[mesh["dp"].get_local_rank()]).backward()
+    result = opt.step()
+    unchanged = all(torch.equal(_full(p), b) for p, b in zip(model.parameters(), before))
+    return dict(skipped=result.skipped, reason=result.reason, unchanged=unchanged)
+
+
+@pytest.mark.slow
+def test_a_nan_on_one_tp_rank_skips_the_step_on_every_rank() -> None:
+    for rank, result in enumerate(run_ranks(4, _nan_on_one_tp_rank, timeout=120)):
+        assert result == dict(skipped=True, reason="non_finite", unchanged=True), (rank, result)
+
+
 def _refusals_at_dp2_tp2() -> dict[str, str]:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     messages = {}
@@ -388,7 +412,14 @@ def _state_at_world_1(tmp: str) -> dict[str, Any]:
     opt.load_state_dict(saved)
     step(1)
     messages = {}
-    for what, call in (("consolidated", opt.consolidated_state_dict), ("checkpoint", lambda: fxzero.save_checkpoint(tmp, model, opt, step=1))):
+    plain = {"state": {}, "param_groups": [{**opt.param_groups[0], "params": [0, 1, 2, 3]}]}
+    for what, call in (
+        ("consolidated", opt.consolidated_state_dict),
+        ("checkpoint", lambda: fxzero.save_checkpoint(tmp, model, opt, step=1)),
+        ("load_checkpoint", lambda: fxzero.load_checkpoint(tmp, model, opt)),
+        ("plain", lambda: opt.load_state_dict(plain)),
+        ("dcp", lambda: get_optimizer_state_dict(model, opt)),
+    ):
         try:
             call()
         except NotImplementedError as error:
@@ -399,5 +430,5 @@ def _state_at_world_1(tmp: str) -> dict[str, Any]:
 def test_state_dict_resumes_and_param_shaped_state_is_refused(tmp_path: Any) -> None:
     (result,) = run_ranks(1, _state_at_world_1, str(tmp_path))
     assert result["resumed"], result
-    for what in ("consolidated", "checkpoint"):
+    for what in ("consolidated", "checkpoint", "load_checkpoint", "plain", "dcp"):
         assert "with DTensor params (e.g. '0.weight') is not supported yet" in result["messages"].get(what, ""), result
