@@ -356,16 +356,25 @@ def _refusals_at_world_1() -> dict[str, str]:
         opt.step()
     except NotImplementedError as error:
         messages["hand_grad"] = str(error)
+    model[0].weight.grad = None
+    model.double()  # the DTensor params get new (float64) local tensors
+    model(torch.randn(2, 4, dtype=torch.float64)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as error:
+        messages["cast"] = str(error)
     return messages
 
 
 def test_refused_at_world_1() -> None:
-    """A 2-D mesh as process_group (naming the fix, mesh['dp']), a Partial param, and a gradient
-    assigned by hand to a DTensor param (not supported yet)."""
+    """A 2-D mesh as process_group (naming the fix, mesh['dp']), a Partial param, a gradient
+    assigned by hand to a DTensor param (not supported yet), and a DTensor model cast after the
+    optimizer was built (its params' local tensors are no longer the buffer's views)."""
     (messages,) = run_ranks(1, _refusals_at_world_1)
     assert "2-D DeviceMesh" in messages["2d_mesh"] and "process_group=mesh['dp']" in messages["2d_mesh"], messages
     assert "param 'p'" in messages["partial"] and "Partial(sum) over mesh dim 'tp'" in messages["partial"], messages
     assert "p.grad of param '0.weight' (a DTensor) was assigned by hand" in messages["hand_grad"], messages
+    assert "param '0.weight' (now torch.float64 on cpu) is no longer a view" in messages["cast"], messages
 
 
 def _compile_tp_model() -> str:
