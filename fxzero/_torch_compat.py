@@ -8,6 +8,7 @@ replace it if torch moved or removed it. Checked against torch 2.13.
 from __future__ import annotations
 
 import contextlib
+import operator
 import re
 import sys
 from typing import Any, Callable, ContextManager, Iterator, Optional, Sequence
@@ -26,6 +27,7 @@ __all__ = [
     "called_from_torch_checkpoint",
     "compile_id",
     "current_graph_task_id",
+    "dtensor_local",
     "dynamo_input_names",
     "engine_accumulates_all",
     "foreach_add_",
@@ -45,6 +47,7 @@ __all__ = [
     "queue_end_of_backward",
     "register_ordered_effect",
     "register_torch_log",
+    "set_dtensor_local",
     "storageless_like",
     "trace_artifact",
     "tracing",
@@ -447,6 +450,30 @@ class DcpCheckpointable:
 
     def __create_chunk_list__(self) -> list[Any]:
         return self.chunk_list()
+
+
+# ---- DTensor params (tensor parallelism) ----------------------------------------------------
+dtensor_local: Callable[[torch.Tensor], torch.Tensor] = operator.attrgetter("_local_tensor")
+"""The local tensor a ``DTensor`` (or a ``DTensor`` param) holds on this rank, itself (not a
+view made through autograd, as ``to_local()`` makes one). An ``attrgetter``, so mapping it
+over the params each step stays in C.
+
+What for: fxzero's flat buffers hold each DTensor param's local tensor, and the optimizer
+checks by pointer every step that it still does. Reads ``DTensor._local_tensor`` (what
+FSDP2's ``FSDPParam`` reads); if torch renames it: ``tensor.to_local()`` under
+``torch.no_grad()``, which returns a view of the same memory."""
+
+
+def set_dtensor_local(param: torch.Tensor, local: torch.Tensor) -> None:
+    """Make ``local`` the local tensor of DTensor ``param``, in place (same Parameter object).
+
+    What for: a DTensor param's local tensor becomes a view of fxzero's flat param buffer,
+    so the gathers write what the model reads, while the module keeps its Parameter (hooks,
+    optimizer references, tied weights stay valid). Assigns ``DTensor._local_tensor``, as
+    FSDP2's ``FSDPParam.reset_sharded_param`` does; ``local`` must have the old local's
+    shape, dtype and device (the DTensor's metadata is not changed). If torch forbids it:
+    ``torch.utils.swap_tensors(param, DTensor.from_local(local, ...))``."""
+    param._local_tensor = local  # type: ignore[attr-defined]
 
 
 # ---- multi-tensor kernels -----------------------------------------------------------------

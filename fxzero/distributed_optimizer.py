@@ -46,6 +46,7 @@ from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
@@ -59,6 +60,7 @@ from .optim.grad_views import GradViews, grad_scaler_state
 from .optim.initial_broadcast import broadcast_initial_state
 from .optim.layout_agreement import check_ranks_agree, describe_layout
 from .optim.ledger import Ledger
+from .optim.mesh import check_mesh_params
 from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .optim.ownership import Balance, balance
 from .optim.param_table import ParamTable, param_names
@@ -90,6 +92,11 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     (weight-decay groups do): the layout then follows the module's registration order,
     as Megatron-LM's does, instead of group order, which would put first- and
     last-layer params in one bucket and leave no reduce-scatter to overlap backward.
+
+    ``process_group`` is the data-parallel group, or a 1-D ``DeviceMesh`` (``mesh["dp"]``);
+    DTensor params placed over the mesh's other dims (tensor parallelism) train in eager mode,
+    their local tensors in the buffers, the gradient norm taken over the whole mesh
+    (:mod:`fxzero.optim.mesh`).
     """
 
     _step_supports_amp_scaling = True
@@ -101,7 +108,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         params: Iterable[Any],
         optimizer_class: type[torch.optim.Optimizer],
         *,
-        process_group: Optional[dist.ProcessGroup] = None,
+        process_group: "Optional[dist.ProcessGroup | DeviceMesh]" = None,
         config: Optional[Config] = None,
         module: Optional[torch.nn.Module] = None,
         **defaults: Any,
@@ -124,6 +131,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             for name, value in self.defaults.items():
                 group.setdefault(name, value)
         params = check_managed_params(self.param_groups)
+        self.mesh_params = check_mesh_params(params, [label for label, _ in probed], self.dp, whole_params=self.whole_params)
+        """The DTensor params (tensor parallelism) and the mesh dims other than DP they are placed over."""
         self.optimizer_class = optimizer_class
         layout = layout_order(params, module, len(self.param_groups))
         check_ranks_agree(self.dp, describe_layout(layout, self.param_groups, names, self._settings()), params[0].device)
@@ -175,11 +184,13 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         param (``where``) and the fp32 master view the wrapped optimizer steps (``param``)."""
         self.local = self._build_local_optimizer()
         self._rank_state = RankState(table, self.fragments, self.local)
-        self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp)
+        mesh_norms = self.mesh_params.norms(len(self.params), self.params[0].device)
+        self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp, mesh_norms)
         self.param_watch = ParamWatch(table, self.shards, self.gather, dp.rank, self.ledger.compiled)
         self.grad_views = GradViews(table, self.reduced, self.param_watch.check)
         self.grad_sync = GradSync(
-            self.params, self.ledger, self.reductions, before_grad_write=before_grad_write, after_backward=self.grad_views.install
+            self.params, self.ledger, self.reductions, before_grad_write=before_grad_write, after_backward=self.grad_views.install,
+            local_grads=self.mesh_params.dtensor_slots,
         )
         self.binding = GraphBinding(table, self.ledger, self.grad_sync, self.param_sync)
         """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
@@ -345,6 +356,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         clipping, by ``c10d`` op name: the gradient reductions, the all-reduce of the norm and
         gradient flags, the param gathers, the module buffers' broadcast. None at world size 1."""
         counts = collections.Counter({"allreduce": 1} if self.dp.size > 1 else {})
+        if self.reduced.mesh_norms is not None:  # the norms' all-reduce over each other mesh dim
+            counts.update(self.reduced.mesh_norms.collectives_per_step())
         for part in (self.reductions, self.param_sync, self.buffer_sync):
             counts.update(part.collectives_per_step())
         return dict(counts)

@@ -212,6 +212,7 @@ def _quiet_at_world_one() -> Iterator[None]:
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, DistributedOptimizer):
         raise TypeError(f"optimizer must be a fxzero.DistributedOptimizer, got {type(optimizer).__name__}")
+    optimizer.refuse_param_shaped_state("a checkpoint")
 
 
 def _check_timeout(arrival_timeout: Any) -> None:

@@ -38,14 +38,16 @@ import torch
 import torch.distributed as dist
 
 from .comm import DataParallelGroup
+from .mesh import local_of
 
 __all__ = ["BufferSync", "broadcast_flat"]
 
 
 def broadcast_flat(dp: DataParallelGroup, tensors: Sequence[torch.Tensor]) -> None:
-    """Overwrite ``tensors`` with rank 0's: one broadcast per (dtype, device), flattened."""
+    """Overwrite ``tensors`` with rank 0's: one broadcast per (dtype, device), flattened
+    (a DTensor's local tensor: the data-parallel ranks hold the same slice of it)."""
     by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-    for tensor in tensors:
+    for tensor in map(local_of, tensors):
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
     with torch.no_grad():
         for group in by_kind.values():

@@ -19,6 +19,7 @@ import torch
 from ..config import Config
 from .comm import DataParallelGroup
 from .layout import BufferPlan, plan_buckets
+from .mesh import local_of, planned, rebind
 from .ownership import plan_owned_buckets
 
 __all__ = ["Bucket", "ParamAndGradBuffer", "build_buffers", "owners_of", "shard_buffer"]
@@ -76,15 +77,16 @@ class ParamAndGradBuffer:
         device = params[0].device
         # Padding must read as zeros: it is reduced, gathered and normed like real data.
         self.param_data = torch.zeros(plan.numel, dtype=self.param_dtype, device=device)
-        for param, (start, end, _) in zip(self.params, plan.param_ranges):
-            view = self.param_data[start:end].view(param.shape)
-            view.copy_(param.data)
-            param.data = view  # the param's old storage is freed here (unless held elsewhere)
+        shapes = [local_of(p).shape for p in self.params]  # a DTensor param's buffer holds its local tensor
+        for param, shape, (start, end, _) in zip(self.params, shapes, plan.param_ranges):
+            view = self.param_data[start:end].view(shape)
+            view.copy_(local_of(param).detach())
+            rebind(param, view)  # the param's old storage is freed here (unless held elsewhere)
         # Allocated once the old storages are gone: construction peaks at two copies of the
         # params, not three (with world >= 4 that was the run's peak, above training's).
         self.grad_data = torch.zeros(plan.numel, dtype=self.grad_dtype, device=device)
-        for param, (start, end, _) in zip(self.params, plan.param_ranges):
-            param.main_grad = self.grad_data[start:end].view(param.shape)
+        for param, shape, (start, end, _) in zip(self.params, shapes, plan.param_ranges):
+            param.main_grad = self.grad_data[start:end].view(shape)
         self.buckets = tuple(self._make_bucket(i, first_bucket_index + i) for i in range(len(plan.buckets)))
 
     def _make_bucket(self, local_id: int, index: int) -> Bucket:
@@ -120,7 +122,7 @@ def build_buffers(
     buffers, first = [], 0
     for params in groups.values():
         plan = planner(
-            params,
+            [planned(p) for p in params],
             dp_size=dp.size,
             bucket_size=bucket_size,
             pad_for_high_busbw=config.pad_for_high_busbw,

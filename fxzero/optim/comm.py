@@ -15,6 +15,7 @@ from typing import Any, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["AllOf", "CollectiveError", "DataParallelGroup", "describe_params", "settle"]
 
@@ -74,6 +75,18 @@ def settle(works: Sequence[Any], timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
+def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
+    """The group of a 1-D mesh; a mesh of more dims is refused, naming the fix."""
+    if mesh.ndim != 1:
+        names = mesh.mesh_dim_names or ()
+        dp = "dp" if "dp" in names or not names else names[0]
+        raise ValueError(
+            f"process_group is a {mesh.ndim}-D DeviceMesh (dims {tuple(names)}); fxzero shards over one data-parallel "
+            f"dimension and leaves the others to the DTensor params: pass that dimension, process_group=mesh[{dp!r}]"
+        )
+    return mesh.get_group()
+
+
 @dataclasses.dataclass(frozen=True)
 class DataParallelGroup:
     """A process group with its size, this process's rank and the reduce op to average."""
@@ -90,18 +103,23 @@ class DataParallelGroup:
     @classmethod
     def resolve(
         cls,
-        group: Optional[dist.ProcessGroup],
+        group: "Optional[dist.ProcessGroup | DeviceMesh]",
         grad_collective: Literal["auto", "reduce_scatter", "all_reduce", "all_to_all"] = "auto",
     ) -> "DataParallelGroup":
         """``group=None`` means the default (world) group, or world size 1 when
-        ``torch.distributed`` is not initialized. ``"auto"`` picks ``"all_to_all"`` on
+        ``torch.distributed`` is not initialized; a 1-D ``DeviceMesh`` (``mesh["dp"]``) means
+        its group. ``"auto"`` picks ``"all_to_all"`` on
         gloo (whose reduce-scatter sets up a halving-doubling algorithm on every call; the
         README's "Gradients" paragraph has the measurements) and ``"reduce_scatter"``
         everywhere else."""
+        if isinstance(group, DeviceMesh):
+            group = _mesh_group(group)
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 1, 0)
         if group is not None and not isinstance(group, dist.ProcessGroup):
-            raise TypeError(f"process_group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+            raise TypeError(
+                f"process_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
+            )
         size = dist.get_world_size(group)
         rank = dist.get_rank(group)
         if rank < 0:

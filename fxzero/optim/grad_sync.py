@@ -35,6 +35,7 @@ from .buffers import Bucket
 from .comm import DataParallelGroup
 from .grad_exchange import GradExchange
 from .ledger import Ledger
+from .mesh import MeshParams
 
 __all__ = ["GradReductions", "GradSync"]
 
@@ -129,8 +130,11 @@ class GradSync:
         *,
         before_grad_write: Optional[Callable[[int], None]] = None,
         after_backward: Optional[Callable[[], None]] = None,
+        local_grads: frozenset[int] = frozenset(),
     ) -> None:
         self.params, self.ledger, self.reductions = tuple(params), ledger, reductions
+        self._local_grads = local_grads
+        """Slots of DTensor params: their gradient's local tensor goes into ``main_grad`` (:mod:`~fxzero.optim.mesh`)."""
         self._before_grad_write, self._after_backward = before_grad_write, after_backward
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
@@ -144,13 +148,14 @@ class GradSync:
 
     def _make_hook(self, slot: int) -> Callable[[torch.nn.Parameter], None]:
         bucket = self.ledger.bucket_of_slot[slot]
+        local = MeshParams.local_grad if slot in self._local_grads else None
 
         def hook(param: torch.nn.Parameter) -> None:
             if param.grad is None:  # a compiled graph returned None: its op reported it
                 return
             if self._before_grad_write is not None:
                 self._before_grad_write(bucket)
-            param.main_grad.add_(param.grad)
+            param.main_grad.add_(param.grad if local is None else local(param, param.grad))
             param.grad = None
             self._launch(self.ledger.eager_grad(slot))
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
+from torch.distributed.tensor import DTensor
 
 __all__ = ["HandGrad", "check_hand_grad"]
 
@@ -52,6 +53,11 @@ def check_hand_grad(param: torch.Tensor, grad: Any, label: str, view_type: type)
         raise TypeError(
             f"fxzero: p.grad of param {label!r} was set to another param's sharded-gradient view ({grad!r}); "
             "assign a tensor holding the gradient you want (each rank's is used as is), or leave p.grad alone"
+        )
+    if isinstance(param, DTensor):
+        raise NotImplementedError(
+            f"fxzero: p.grad of param {label!r} (a DTensor) was assigned by hand; gradients assigned by hand to DTensor "
+            "params are not supported yet (only those backward produces). Leave p.grad alone, or set it to None."
         )
     if not isinstance(grad, torch.Tensor) or grad.layout != torch.strided:
         kind = grad.layout if isinstance(grad, torch.Tensor) else type(grad).__name__

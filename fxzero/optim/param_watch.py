@@ -30,7 +30,10 @@ import logging
 from typing import Sequence
 
 import torch
+from torch.distributed.tensor import DTensor
 
+from .._torch_compat import dtensor_local
+from .mesh import local_of, rebind
 from .param_sync import Gather
 from .param_table import ParamTable
 from .shards import BucketShard
@@ -47,8 +50,12 @@ class ParamWatch:
         self, table: ParamTable, shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: bytearray
     ) -> None:
         self.table, self.params, self.gather, self.rank = table, table.params, gather, rank
+        # a DTensor param has no storage of its own: its local tensor is the buffer's view
+        self._dtensors = tuple(i for i, p in enumerate(self.params) if isinstance(p, DTensor))
+        self._dtensor_params = tuple(self.params[i] for i in self._dtensors)
+        self._local_pointers = [local_of(self.params[i]).data_ptr() for i in self._dtensors]
         self._pointers = [p.data_ptr() for p in self.params]
-        self._views = [p.data for p in self.params]
+        self._views = [local_of(p).data for p in self.params]
         """Each param's view of the flat buffer, to point a param back at after a no-op move."""
         self._compiled = compiled
         self._separate = [s for s in shards if not s.main_is_param]
@@ -69,11 +76,20 @@ class ParamWatch:
     def check(self) -> None:
         """Raise if a param was moved, cast or rebound, or got tensor hooks too late."""
         # one C-level pass each in the common case; the loop below only names the culprit
-        if list(map(torch.Tensor.data_ptr, self.params)) == self._pointers and not any(map(_hooks, self.params)):
+        if (
+            list(map(torch.Tensor.data_ptr, self.params)) == self._pointers
+            and list(map(torch.Tensor.data_ptr, map(dtensor_local, self._dtensor_params))) == self._local_pointers
+            and not any(map(_hooks, self.params))
+        ):
             return
         for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
             if param.data_ptr() != pointer and not _rebind_copy(param, self._views[slot]):
                 raise RuntimeError(_moved_message(self.table.label(slot), param))
+        for slot, pointer in zip(self._dtensors, self._local_pointers):
+            param = self.params[slot]
+            if dtensor_local(param).data_ptr() != pointer and not _rebind_copy(param, self._views[slot]):
+                raise RuntimeError(_moved_message(self.table.label(slot), param))
+        for slot, param in enumerate(self.params):
             if param._backward_hooks and self._compiled[slot]:
                 raise RuntimeError(_late_hook_message(self.table.label(slot)))
 
@@ -98,10 +114,11 @@ def _rebind_copy(param: torch.Tensor, view: torch.Tensor) -> bool:
     (``model.to("cpu:0")`` copies CPU tensors, whose device is ``cpu``: HF Trainer and
     Accelerate move the model to their device after the optimizer exists). Any other change
     (a cast, a real move, values that differ: written, or read before a gather landed) is refused."""
-    same = param.dtype == view.dtype and param.device == view.device and param.shape == view.shape
-    if not (same and torch.equal(param.data, view)):
+    local = local_of(param)
+    same = local.dtype == view.dtype and local.device == view.device and local.shape == view.shape
+    if not (same and torch.equal(local.data, view)):
         return False
-    param.data = view
+    rebind(param, view)
     log.info("a param moved to the device it was on is a view of the optimizer's flat buffer again")
     return True
 

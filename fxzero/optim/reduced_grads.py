@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, Iterator, Sequence
+from typing import Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -33,6 +33,7 @@ from .comm import DataParallelGroup
 from .grad_sync import GradReductions
 from .hand_grads import HandGrad
 from .ledger import Ledger
+from .mesh import MeshNorms
 from .shards import BucketShard, FragmentTensor
 
 __all__ = ["ReducedGrads"]
@@ -48,8 +49,11 @@ class ReducedGrads:
         shards: Sequence[BucketShard],
         fragments: Sequence[FragmentTensor],
         dp: DataParallelGroup,
+        mesh_norms: Optional[MeshNorms] = None,
     ) -> None:
         self.ledger, self.reductions = ledger, reductions
+        self.mesh_norms = mesh_norms
+        """With DTensor params: sums the norms over the other mesh dims too, each param once."""
         self.shards, self.fragments, self.dp = tuple(shards), tuple(fragments), dp
         self.num_params = n = len(ledger.presence)
         device = shards[0].main.device
@@ -98,6 +102,8 @@ class ReducedGrads:
             squares = torch.stack(foreach_norm(self._grads, 2)).double().square()
             stats[n:].index_add_(0, self._slots, squares)
         self.dp.all_reduce_sum(stats)
+        if self.mesh_norms is not None:
+            self.mesh_norms.sum_once(stats[n:])
         values = stats.tolist()
         self._got, self._squares = values[:n], values[n:]  # got: a count of ranks, 0.0 for none
         self._count_hand()
@@ -128,8 +134,12 @@ class ReducedGrads:
                 values.index_add_(0, self._slots, norms.pow(ord))
         if ord == math.inf:
             self.dp.all_reduce_max(values)
+            if self.mesh_norms is not None:
+                self.mesh_norms.max_over(values)
             return values.tolist()
         self.dp.all_reduce_sum(values)
+        if self.mesh_norms is not None:
+            self.mesh_norms.sum_once(values)
         return values.pow(1.0 / ord).tolist()
 
     def total_norm(self, dropped: Iterable[int] = ()) -> float:

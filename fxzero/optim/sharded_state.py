@@ -18,6 +18,7 @@ import torch
 from .._torch_compat import called_from_torch_checkpoint
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
+from .mesh import MeshParams
 from .param_table import ParamTable
 from .rank_state import RankState, held_on_any_rank
 from .shards import BucketShard, FragmentTensor
@@ -38,6 +39,7 @@ class ShardedState:
     params: Sequence[torch.Tensor]
     param_groups: list[dict[str, Any]]
     local: torch.optim.Optimizer
+    mesh_params: MeshParams
     _rank_state: RankState
     finish_param_sync: Callable[[], None]
     _publish_and_gather: Callable[[], None]
@@ -77,6 +79,8 @@ class ShardedState:
         Collective (the params are gathered afterwards): every rank loads, or, if any rank's
         state dict is wrong, every rank raises, naming that rank's problem."""
         plain = is_plain_state_dict(state_dict)
+        if plain:
+            self.refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
         problem, states = None, []
         try:
             if plain:
@@ -102,6 +106,7 @@ class ShardedState:
         (collective: every rank of the group calls it). It loads into the wrapped
         optimizer class over the same param groups without fxzero, or back into a
         DistributedOptimizer at any world size (:meth:`load_state_dict`)."""
+        self.refuse_param_shaped_state("consolidated_state_dict")
         states = [self.fragment_state(f) for f in self.fragments]
         state = consolidated_state(self.param_table, self.fragments, states, self.dp)
         groups = [
@@ -109,6 +114,17 @@ class ShardedState:
             for g, group in enumerate(self.param_groups)
         ]
         return {"state": state, "param_groups": groups}
+
+    def refuse_param_shaped_state(self, what: str) -> None:
+        """Param-shaped state (plain ``torch.optim`` format, fxzero's checkpoints) of a DTensor
+        param needs its global shape and placement, which these formats do not carry yet: refused,
+        rather than a state of the local shape saved under the global param's name."""
+        if self.mesh_params.any:
+            slot = min(self.mesh_params.dtensor_slots)
+            raise NotImplementedError(
+                f"fxzero: {what} with DTensor params (e.g. {self.param_table.label(slot)!r}) is not supported yet; "
+                "opt.state_dict() / opt.load_state_dict() of fxzero's own per-rank format (same mesh and layout) are."
+            )
 
     # ---- the state API checkpoints use (load_state_dict uses it too) -------------
     @contextlib.contextmanager

@@ -1,0 +1,220 @@
+"""DTensor params on a ``DeviceMesh``: ZeRO-1 over the data-parallel dimension, the other
+dimensions (tensor parallelism) left to the model.
+
+A model parallelized with ``torch.distributed.tensor.parallel.parallelize_module`` holds
+DTensor params: on each rank a *local tensor* (its slice of a ``Shard``-ed param, or the
+whole of a ``Replicate``-d one) plus where it sits on the mesh. fxzero treats the local
+tensor as the param: its flat buffers hold it (the DTensor's local tensor becomes a view of
+``param_data``, as FSDP2 makes it a view of its own sharded storage), the eager hooks add
+the local tensor of its gradient into ``main_grad``, and the reduce-scatters, the wrapped
+optimizer (on fragments of local tensors: exact for elementwise optimizers) and the
+all-gathers run over the data-parallel group only. The model keeps computing on DTensors.
+
+What that needs, and what this module gives:
+
+* **placements fxzero can serve** (:func:`check_mesh_params`, before any param is touched):
+  ``Shard``/``Replicate`` over the other mesh dimensions. A param sharded over the
+  data-parallel dimension itself (FSDP's layout: fxzero would average different slices) or
+  ``Partial`` anywhere (its local tensor is not a value of the param) is refused naming the
+  param and placement, and so is a ``process_group`` that spans a dimension the params are
+  placed over (the world group with a TP model: it would average different TP slices);
+  under whole-param ownership a param sharded over a mesh dimension is refused too (its
+  "whole" is spread over ranks; Muon on a slice is another optimizer);
+* **gradients in the param's placement** (:meth:`MeshParams.local_grad`): a gradient autograd
+  leaves ``Partial`` (a ``SequenceParallel`` norm's weight: each TP rank summed over its
+  sequence slice) is all-reduced over that dimension first, as FSDP2 redistributes it;
+* **one global gradient norm** (:class:`MeshNorms`): each rank's squared norms (over DP
+  already summed by the caller's all-reduce) are all-reduced over each other mesh
+  dimension, with a param *replicated* over a dimension counted only on that dimension's
+  coordinate 0 (multiplied by 0 elsewhere, so a NaN or inf still reaches every rank and the
+  skip is agreed over the whole mesh). Plain (non-DTensor) params are taken to be replicated
+  over every such dimension. One small all-reduce per dimension, on the groups the params'
+  own meshes hold, rather than one over the whole mesh: that would need a group spanning the
+  mesh, made by a collective ``new_group`` call on every rank of the world at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Shard
+
+from .._torch_compat import dtensor_local, set_dtensor_local
+from .comm import DataParallelGroup
+
+__all__ = ["MeshNorms", "MeshParams", "check_mesh_params", "local_of", "planned", "rebind", "refuse_compiled_dtensors"]
+
+
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    """What fxzero's buffers hold of ``param``: its local tensor if it is a DTensor, else itself."""
+    return dtensor_local(param) if isinstance(param, DTensor) else param
+
+
+def planned(param: torch.Tensor) -> torch.Tensor:
+    """What the bucket planner sees of ``param``: itself, or for a DTensor a meta tensor of its
+    local shape and dtype (carrying ``shared_embedding``), since the buffers hold local tensors."""
+    if not isinstance(param, DTensor):
+        return param
+    local = dtensor_local(param)
+    stand_in = torch.empty(local.shape, dtype=local.dtype, device="meta")
+    if getattr(param, "shared_embedding", False):
+        stand_in.shared_embedding = True  # type: ignore[attr-defined]
+    return stand_in
+
+
+def rebind(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Make ``param`` (its local tensor, for a DTensor) the buffer ``view``, same Parameter object."""
+    if isinstance(param, DTensor):
+        set_dtensor_local(param, view)
+    else:
+        param.data = view
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelDim:
+    """A mesh dimension other than data parallelism that some param is placed over."""
+
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+    """Global ranks of the dimension's group (this rank's row of the mesh along it)."""
+    coordinate: int
+    """This rank's index along the dimension."""
+    name: str
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshParams:
+    """The managed DTensor params (by slot) and the other mesh dimensions they are placed over."""
+
+    dtensor_slots: frozenset[int]
+    dims: tuple[ModelDim, ...]
+    """Dimensions of size > 1 (one of size 1 needs no collective, and Shard over it is the whole param)."""
+    sharded: tuple[frozenset[int], ...]
+    """``sharded[i]``: slots of the params sharded over ``dims[i]``."""
+
+    @property
+    def any(self) -> bool:
+        return bool(self.dtensor_slots)
+
+    def norms(self, num_params: int, device: torch.device) -> Optional["MeshNorms"]:
+        """How ``ReducedGrads`` finishes its norms over the other dimensions (None: nothing to do)."""
+        if not self.dims:
+            return None
+        mask = torch.ones(num_params, dtype=torch.float64, device=device)
+        for dim, sharded in zip(self.dims, self.sharded):
+            if dim.coordinate != 0:  # replicated over this dimension: counted on coordinate 0 only
+                for slot in set(range(num_params)) - sharded:
+                    mask[slot] = 0.0
+        return MeshNorms(self.dims, mask)
+
+    @staticmethod
+    def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        """The local tensor of a DTensor param's gradient, in the param's own placement
+        (a ``Partial`` gradient is reduced over its dimension first)."""
+        if not isinstance(grad, DTensor):
+            return grad
+        if grad.placements != param.placements:  # type: ignore[attr-defined]
+            with torch.no_grad():
+                grad = grad.redistribute(param.device_mesh, param.placements)  # type: ignore[attr-defined]
+        return dtensor_local(grad)
+
+
+class MeshNorms:
+    """Finishes per-param gradient statistics over the mesh dimensions other than DP."""
+
+    def __init__(self, dims: Sequence[ModelDim], mask: torch.Tensor) -> None:
+        self.dims, self.mask = tuple(dims), mask
+
+    def sum_once(self, values: torch.Tensor) -> None:
+        """``values`` (one per slot, summed over DP): sum over every other dimension, each
+        param counted once (replicated ones on coordinate 0 only), in place."""
+        values.mul_(self.mask)
+        for dim in self.dims:
+            dist.all_reduce(values, op=dist.ReduceOp.SUM, group=dim.group)
+
+    def max_over(self, values: torch.Tensor) -> None:
+        """``values`` (one per slot, maxed over DP): max over every other dimension, in place."""
+        for dim in self.dims:
+            dist.all_reduce(values, op=dist.ReduceOp.MAX, group=dim.group)
+
+    def collectives_per_step(self) -> dict[str, int]:
+        return {"allreduce": len(self.dims)}
+
+
+def check_mesh_params(
+    params: Sequence[torch.Tensor], labels: Sequence[str], dp: DataParallelGroup, *, whole_params: bool
+) -> MeshParams:
+    """Check every DTensor param's placements (errors name the param and placement) and find
+    the mesh dimensions other than ``dp`` the params are placed over. ``params`` in slot order."""
+    dtensors = [(slot, p) for slot, p in enumerate(params) if isinstance(p, DTensor)]
+    if not dtensors:
+        return MeshParams(frozenset(), (), ())
+    dp_ranks = tuple(dist.get_process_group_ranks(dp.group if dp.group is not None else dist.group.WORLD))
+    dims: dict[tuple[int, ...], ModelDim] = {}
+    sharded: dict[tuple[int, ...], set[int]] = {}
+    for slot, param in dtensors:
+        for dim, placement in _param_dims(param, labels[slot], dp, dp_ranks, whole_params):
+            dims.setdefault(dim.ranks, dim)
+            sharded.setdefault(dim.ranks, set())
+            if isinstance(placement, Shard):
+                sharded[dim.ranks].add(slot)
+    keys = sorted(dims)  # the same order on every rank of a dimension: the order collectives are issued in
+    return MeshParams(frozenset(s for s, _ in dtensors), tuple(dims[k] for k in keys), tuple(frozenset(sharded[k]) for k in keys))
+
+
+def _param_dims(
+    param: DTensor, label: str, dp: DataParallelGroup, dp_ranks: tuple[int, ...], whole_params: bool
+) -> list[tuple[ModelDim, object]]:
+    """``param``'s mesh dimensions other than DP, each with the param's placement over it."""
+    mesh, found = param.device_mesh, []
+    names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+    for d, placement in enumerate(param.placements):
+        group = mesh.get_group(d)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        where = f"param {label} (a DTensor placed {tuple(param.placements)} on mesh dims {tuple(names)})"
+        if isinstance(placement, Partial):
+            raise ValueError(
+                f"fxzero: {where} is {placement!r} over mesh dim {names[d]!r}: its local tensor is a partial sum, not "
+                "a value of the param. Give the optimizer params that are Shard or Replicate over each mesh dim."
+            )
+        if len(ranks) == 1:  # nothing to shard, reduce or count over (and its group may be the world's)
+            continue
+        if group is dp.group or ranks == dp_ranks:
+            if isinstance(placement, Shard):
+                raise ValueError(
+                    f"fxzero: {where} is {placement!r} over mesh dim {names[d]!r}, which is the data-parallel group "
+                    "the optimizer shards over: fxzero would average different slices. Place params Replicate over "
+                    "the data-parallel dim (fxzero shards their optimizer state over it)."
+                )
+            continue
+        if set(ranks) & set(dp_ranks) != {dist.get_rank()}:
+            raise ValueError(
+                f"fxzero: process_group (ranks {list(dp_ranks)}) spans mesh dim {names[d]!r} (ranks {list(ranks)}) "
+                f"that {where} is placed over: its gradient reductions would mix different slices. Pass the "
+                "data-parallel dimension of the mesh, process_group=mesh['dp']."
+            )
+        if whole_params and isinstance(placement, Shard):
+            raise ValueError(
+                f"fxzero: {where} is {placement!r} over mesh dim {names[d]!r}, and this optimizer owns each param "
+                "whole (Config.state_sharding='whole_params', the default for optimizers not known to be "
+                "elementwise, such as Muon): the whole param is spread over that dim's ranks, and updating one "
+                "slice as a whole param is another optimizer. Use an elementwise optimizer (AdamW) for sharded "
+                "params, or keep such params replicated over the other mesh dims."
+            )
+        found.append((ModelDim(group, ranks, mesh.get_local_rank(d), names[d]), placement))
+    return found
+
+
+def refuse_compiled_dtensors(name: str) -> None:
+    """DTensor params train eagerly only, for now: ``torch.compile`` of a model whose DTensor
+    params fxzero manages is refused, clearly. (Dynamo itself fails on such a param, with an
+    internal error about storages on "meta", even under ``backend="eager"``: it cannot fake a
+    DTensor whose local tensor is a view into the middle of a larger buffer.)"""
+    raise NotImplementedError(
+        f"fxzero: torch.compile of a model with DTensor params managed by a DistributedOptimizer (e.g. param {name!r}) is not "
+        "supported yet: fxzero trains tensor-parallel (DTensor) models in eager mode only. Run the model without "
+        "torch.compile; the optimizer's eager hooks handle its gradients."
+    )
