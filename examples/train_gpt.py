@@ -2,6 +2,11 @@
 
     torchrun --nproc-per-node 2 examples/train_gpt.py    # 2 ranks (gloo on CPU, NCCL on GPU)
     python examples/train_gpt.py --steps 20 --compile none   # 1 rank, eager, no process group
+    torchrun --nproc-per-node 2 examples/train_gpt.py --optimizer muon   # Muon on the blocks' matrices
+
+With --optimizer muon, two DistributedOptimizers share the model: torch.optim.Muon over the
+attention and MLP matrices (each owned whole by one rank: Muon orthogonalizes a matrix's whole
+update) and AdamW over the embeddings (tied to the head), the norms and their biases.
 
 Data: the Python standard library's own .py files (about 2 MB, read in sorted order),
 or --data FILE; one token per byte. Each step draws a global batch of --global-batch
@@ -10,6 +15,7 @@ sequences from a generator seeded by the step number, and each rank trains on it
 """
 
 import argparse
+import collections
 import contextlib
 import math
 import os
@@ -149,6 +155,8 @@ def build_parser():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: torch.optim.Muon on the blocks' matrices, AdamW (same lr) on the rest")
     p.add_argument("--bucket-size", type=int, default=1_000_000, help="elements per gradient bucket")
     p.add_argument("--compile", choices=["inductor", "eager", "none"], default="inductor",
                    help="fxzero's inner compiler, or none for no torch.compile")
@@ -186,24 +194,54 @@ class Job:
     device: torch.device
     model: Transformer  # the module: checkpoints and validation
     train_model: nn.Module  # what the training steps call: the model, compiled unless --compile none
-    opt: fxzero.DistributedOptimizer
+    opts: dict[str, fxzero.DistributedOptimizer]  # by name ("adamw", "muon"): each owns some of the params
     train_data: torch.Tensor
     val_data: torch.Tensor
     log: Callable[..., None]  # prints on rank 0 only
 
 
-def build_optimizer(model, args):
-    params = list(model.parameters())  # the tied embedding/head weight appears once
+CLIP = 1.0  # max global grad norm
+
+
+def fxzero_config(args, clip_grad):
+    return fxzero.Config(bucket_size=args.bucket_size, clip_grad=clip_grad, overlap_param_gather=args.overlap,
+                         mxfp8_param_gather=args.mxfp8, reuse_grad_buf_for_mxfp8_param_ag=args.mxfp8)
+
+
+def build_adamw(model, params, args, clip_grad):
     groups = [  # weight decay on matrices (and the embedding) only
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return fxzero.DistributedOptimizer(
         groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), process_group=None,
-        config=fxzero.Config(bucket_size=args.bucket_size, clip_grad=1.0, overlap_param_gather=args.overlap,
-                             mxfp8_param_gather=args.mxfp8, reuse_grad_buf_for_mxfp8_param_ag=args.mxfp8),
+        config=fxzero_config(args, clip_grad),
         module=model,  # lay buckets out in registration order (the groups split the model)
     )
+
+
+def build_muon(model, params, args):
+    """Muon orthogonalizes each matrix's whole update, so fxzero gives every matrix whole to one
+    rank (Config.state_sharding="auto" does for Muon). adjust_lr_fn="match_rms_adamw" scales the
+    update to AdamW's RMS (Moonshot's "Muon is Scalable for LLM Training"), so Muon takes AdamW's
+    lr, schedule and weight decay."""
+    return fxzero.DistributedOptimizer(
+        params, torch.optim.Muon, lr=args.lr, weight_decay=0.1, adjust_lr_fn="match_rms_adamw",
+        process_group=None, config=fxzero_config(args, None), module=model,
+    )
+
+
+def build_optimizers(model, args):
+    """{name: optimizer}. AdamW alone clips in step() (Config.clip_grad); two optimizers would each
+    clip by the norm of their own params, so train_step clips by the whole model's norm instead."""
+    params = list(model.parameters())  # the tied embedding/head weight appears once
+    if args.optimizer == "adamw":
+        return {"adamw": build_adamw(model, params, args, clip_grad=CLIP)}
+    hidden = {id(p) for p in model.layers.parameters() if p.dim() == 2}  # attention and MLP matrices
+    return {
+        "muon": build_muon(model, [p for p in params if id(p) in hidden], args),
+        "adamw": build_adamw(model, [p for p in params if id(p) not in hidden], args, clip_grad=None),
+    }
 
 
 def build_job(args, rank, world, device):
@@ -212,32 +250,45 @@ def build_job(args, rank, world, device):
     torch.manual_seed(0)  # same init on every rank
     model_args = ModelArgs(block_size=args.seq, dim=args.dim, n_layer=args.layers, n_head=args.heads)
     model = Transformer(model_args).to(device)
-    opt = build_optimizer(model, args)
+    opts = build_optimizers(model, args)
     train_model = model  # fxzero's passes put each bucket's reduce-scatter and all-gather wait into the graphs
     if args.compile != "none":
         train_model = torch.compile(model, backend="fxzero", options={"inner_compiler": args.compile})
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    return Job(args, rank, world, device, model, train_model, opt, data[:split], data[split:], log)
+    return Job(args, rank, world, device, model, train_model, opts, data[:split], data[split:], log)
 
 
 # ---- training ---------------------------------------------------------------------------
+def no_sync(opts):
+    """Every optimizer's no_sync(): grads only accumulate into main_grad."""
+    stack = contextlib.ExitStack()
+    for opt in opts:
+        stack.enter_context(opt.no_sync())
+    return stack
+
+
 def train_step(job, step, loss_sum):
-    """One optimizer step on global batch `step`; adds its loss (this rank's mean) to loss_sum."""
-    args, opt = job.args, job.opt
-    for group in opt.param_groups:
-        group["lr"] = lr_at(step, args)
+    """One optimizer step on global batch `step`; adds its loss (this rank's mean) to loss_sum.
+    Returns whether a step was skipped (a non-finite gradient norm)."""
+    args, opts = job.args, list(job.opts.values())
+    for opt in opts:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, args)
     x, y = get_batch(job.train_data, step, args, job.rank, job.world, job.device)
     micro = args.global_batch // job.world // args.accum
     for i in range(args.accum):
         # All but the last microbatch only accumulate into main_grad; the last
         # backward launches each bucket's reduce-scatter as soon as its grads are in.
-        with opt.no_sync() if i < args.accum - 1 else contextlib.nullcontext():
+        with no_sync(opts) if i < args.accum - 1 else contextlib.nullcontext():
             loss = job.train_model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / args.accum
             loss.backward()
         loss_sum += loss.detach()
-    result = opt.step()  # finish reduce-scatters, AdamW on this rank's shard, all-gather
-    opt.zero_grad()
-    return result
+    if len(opts) > 1:  # p.grad views every rank's shards: the global norm, one all-reduce per optimizer
+        torch.nn.utils.clip_grad_norm_(job.model.parameters(), CLIP)
+    results = [opt.step() for opt in opts]  # finish reduce-scatters, update this rank's shard, all-gather
+    for opt in opts:
+        opt.zero_grad()
+    return any(r.skipped for r in results)
 
 
 def train(job):
@@ -246,10 +297,10 @@ def train(job):
     tokens_per_step = args.global_batch * args.seq
     losses, skipped, first_ms = [], 0, 0.0
     loss_sum, n_sum, t_last = torch.zeros((), device=device), 0, time.perf_counter()
-    for step in range(resume(args.ckpt_dir, job.model, job.opt, job.log), args.steps + 1):
-        skipped += train_step(job, step, loss_sum).skipped
+    for step in range(resume(job), args.steps + 1):
+        skipped += train_step(job, step, loss_sum)
         if args.ckpt_dir and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
-            fxzero.save_checkpoint(args.ckpt_dir, job.model, job.opt, step=step)  # every rank writes its shard
+            save(job, step)
         n_sum += 1
         if step == 1 or step % args.log_every == 0 or step == args.steps:
             mean_loss = reduce(loss_sum, dist.ReduceOp.SUM, device) / (job.world * n_sum)  # one scalar all-reduce
@@ -276,19 +327,34 @@ def validate(job):
 
 
 # ---- the summary table ------------------------------------------------------------------
+def optimizer_names(opts):
+    return " + ".join(opt.optimizer_class.__name__ for opt in opts.values())
+
+
+def unsharded_state_bytes(opts):
+    """What torch.optim would hold on every rank: AdamW two fp32 moments, Muon one momentum buffer."""
+    per_elem = {torch.optim.AdamW: 8, torch.optim.Muon: 4}
+    return sum(per_elem[opt.optimizer_class] * p.numel() for opt in opts.values() for p in opt.params)
+
+
 def summary(job, losses, val_loss, skipped, first_ms, t_start):
-    args, opt, device, world = job.args, job.opt, job.device, job.world
+    args, opts, device, world = job.args, job.opts.values(), job.device, job.world
     n_params = sum(p.numel() for p in job.model.parameters())
     on_gpu = device.type == "cuda"
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
     peak = reduce(torch.cuda.max_memory_allocated(device) if on_gpu else rss, dist.ReduceOp.MAX, device)
-    state = reduce(opt.state_bytes, dist.ReduceOp.MAX, device)
-    n_buckets, padded = len(opt.buckets), sum(b.plan.numel for b in opt.buffers)
-    unpadded = sum(b.plan.numel_unpadded for b in opt.buffers)
-    counts = opt.collectives_per_step  # c10d op names: gloo reduces by all-to-all chunks, gathers by broadcasts
+    state = reduce(sum(opt.state_bytes for opt in opts), dist.ReduceOp.MAX, device)
+    buffers = [b for opt in opts for b in opt.buffers]
+    n_buckets, padded = sum(len(opt.buckets) for opt in opts), sum(b.plan.numel for b in buffers)
+    unpadded = sum(b.plan.numel_unpadded for b in buffers)
+    counts = collections.Counter()  # c10d op names: gloo reduces by all-to-all chunks, gathers by broadcasts
+    for opt in opts:
+        counts.update(opt.collectives_per_step)
     collectives = f"{sum(counts.values())} (" + " + ".join(f"{n} {op}" for op, n in sorted(counts.items())) + ")"
     setup = (f"world {world}, compile {args.compile}, param-gather overlap {'on' if args.overlap else 'off'}, "
              f"MXFP8 gather {'on (in the grad buffer)' if args.mxfp8 else 'off'}")
+    if len(job.opts) > 1:
+        setup += f", {optimizer_names(job.opts)}"
     rows = [
         ("setup", setup),
         ("train loss (first → last)", f"{losses[0]:.4f} → {losses[-1]:.4f}" if losses else "none (resumed at the end)"),
@@ -296,7 +362,8 @@ def summary(job, losses, val_loss, skipped, first_ms, t_start):
         ("params", f"{n_params:,}"),
         ("buckets", f"{n_buckets} (bucket size {args.bucket_size:,}; buffer {padded:,} elems, {unpadded:,} unpadded)"),
         ("collectives per step", collectives if world > 1 else "0 (world size 1)"),
-        ("optimizer state / rank (max)", f"{state / 2**20:.2f} MiB (plain AdamW: {8 * n_params / 2**20:.2f} MiB)"),
+        ("optimizer state / rank (max)",
+         f"{state / 2**20:.2f} MiB (plain {optimizer_names(job.opts)}: {unsharded_state_bytes(job.opts) / 2**20:.2f} MiB)"),
         ("peak memory / rank (max)", f"{peak / 2**20:.0f} MiB ({'cuda allocated' if on_gpu else 'max RSS'})"),
         ("skipped steps", skipped),
         ("steps × tokens/step", f"{args.steps} × {args.global_batch * args.seq:,}"),
@@ -307,15 +374,37 @@ def summary(job, losses, val_loss, skipped, first_ms, t_start):
 
 
 # ---- checkpoints ------------------------------------------------------------------------
-def resume(ckpt_dir, model, opt, log):
-    """The first step to run: 1, or the one after the latest checkpoint in ckpt_dir (saved at
+def checkpoint_dirs(job):
+    """{optimizer name: directory}: --ckpt-dir itself for one optimizer, a subdirectory each for two
+    (a checkpoint holds the model and one optimizer)."""
+    if len(job.opts) == 1:
+        return {name: Path(job.args.ckpt_dir) for name in job.opts}
+    return {name: Path(job.args.ckpt_dir) / name for name in job.opts}
+
+
+def save(job, step):
+    for opt in job.opts.values():  # every param current in the model state each checkpoint holds
+        opt.finish_param_sync()
+    for name, directory in checkpoint_dirs(job).items():
+        fxzero.save_checkpoint(directory, job.model, job.opts[name], step=step)  # every rank writes its shard
+
+
+def resume(job):
+    """The first step to run: 1, or the one after the latest checkpoint in --ckpt-dir (saved at
     any world size). Batches and the LR are pure functions of the step, so a resumed run
-    repeats exactly what an uninterrupted one would have done."""
-    path = fxzero.latest_checkpoint(ckpt_dir) if ckpt_dir else None
-    if path is None:
+    repeats exactly what an uninterrupted one would have done. With two optimizers, a run
+    killed between their saves resumes from the latest step both saved."""
+    if not job.args.ckpt_dir:
         return 1
-    step = fxzero.load_checkpoint(path, model, opt)["step"]
-    log(f"resumed from {path} (step {step})")
+    dirs = checkpoint_dirs(job)
+    latest = [fxzero.latest_checkpoint(directory) for directory in dirs.values()]
+    if any(path is None for path in latest):
+        return 1
+    step = min(int(path.name.removeprefix("step_")) for path in latest)
+    paths = {name: directory / f"step_{step:07d}" for name, directory in dirs.items()}
+    for name, path in paths.items():
+        fxzero.load_checkpoint(path, job.model, job.opts[name])
+    job.log(f"resumed from {', '.join(map(str, paths.values()))} (step {step})")
     return step + 1
 
 
@@ -328,8 +417,15 @@ def main():
         parser.error(f"--global-batch {args.global_batch} must be divisible by world * accum = {world * args.accum}")
     job = build_job(args, rank, world, device)
     n_params = sum(p.numel() for p in job.model.parameters())
-    job.log(f"fxzero GPT: {n_params:,} params, {len(job.opt.buckets)} buckets, world {world}, {device.type}, "
+    n_buckets = sum(len(opt.buckets) for opt in job.opts.values())
+    job.log(f"fxzero GPT: {n_params:,} params, {n_buckets} buckets, world {world}, {device.type}, "
             f"{len(job.train_data):,} train / {len(job.val_data):,} val bytes")
+    if len(job.opts) > 1:
+        job.log(" + ".join(f"{opt.optimizer_class.__name__} over {sum(p.numel() for p in opt.params):,} params"
+                           for opt in job.opts.values()))
+        for opt in job.opts.values():
+            if opt.whole_params:
+                job.log(f"{opt.optimizer_class.__name__}: {opt.balance.describe()}")
     losses, skipped, first_ms = train(job)
     val_loss = validate(job)
     job.log(summary(job, losses, val_loss, skipped, first_ms, t_start))

@@ -216,6 +216,47 @@ def test_clip_grad_norm_clips_by_the_global_norm_like_ddp(how: str, norm_type: f
         _assert_close(result, reference)
 
 
+
+def _two_optimizers(model: torch.nn.Module, distributed: bool) -> tuple[torch.optim.Optimizer, ...]:
+    """The Muon recipe's shape (a shape-aware optimizer over the matrices, whole params, and AdamW
+    over the rest), with Adafactor standing in for Muon: Muon's Newton-Schulz runs in bf16, whose
+    rounding grows past this file's tolerances within four steps (world 1 too)."""
+    matrices = [p for p in model.parameters() if p.dim() == 2]
+    rest = [p for p in model.parameters() if p.dim() != 2]
+    if not distributed:
+        return torch.optim.Adafactor(matrices, lr=LR), torch.optim.AdamW(rest, lr=LR)
+    config = fxzero.Config(bucket_size=2000)
+    return (fxzero.DistributedOptimizer(matrices, torch.optim.Adafactor, lr=LR, config=config, module=model),
+            fxzero.DistributedOptimizer(rest, torch.optim.AdamW, lr=LR, config=config, module=model))
+
+
+def _clip_over_two_optimizers(foreach: bool, distributed: bool = True) -> dict:
+    model = build("gpt")
+    opts = _two_optimizers(model, distributed)
+    assert not distributed or opts[0].whole_params
+    losses, norms = [], []
+    for step in range(STEPS):
+        x, y = _local("gpt", step) if distributed else batch("gpt", step, GLOBAL)
+        loss = loss_fn("gpt", model(x), y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP, foreach=foreach)))
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        losses.append(_mean(loss) if distributed else loss.item())
+    return {"losses": losses, "norms": norms, "params": _params(model)}
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["per-param", "foreach"])
+def test_clip_grad_norm_over_params_of_two_optimizers(foreach: bool) -> None:
+    """Two optimizers over one model (the Muon recipe): torch's clip over model.parameters()
+    gets the norm over both optimizers' params and clips both. Its foreach path passes one
+    list holding both optimizers' views (it raised)."""
+    reference = _clip_over_two_optimizers(foreach, distributed=False)
+    assert min(reference["norms"]) > CLIP  # every step is clipped
+    for result in run_ranks(2, _clip_over_two_optimizers, foreach):
+        _assert_close(result, reference)
+
 def test_unsupported_use_of_p_grad_names_the_param_and_what_works() -> None:
     model, opt = _fxzero("mlp")
     x, y = batch("mlp", 0, 4)

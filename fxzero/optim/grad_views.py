@@ -125,11 +125,22 @@ def _first_view(items: Any) -> ShardedGrad:
     raise TypeError("no ShardedGrad among the arguments")
 
 
-def _owner_and_slots(views: Sequence[ShardedGrad]) -> tuple[ReducedGrads, list[int]]:
-    owners = {id(v._owner()) for v in views}
-    if len(owners) > 1:
-        raise RuntimeError("fxzero: gradients of params of different DistributedOptimizers in one call")
-    return views[0]._owner(), [v._slot for v in views]
+def _owner_and_slots(view: ShardedGrad) -> tuple[ReducedGrads, list[int]]:
+    return view._owner(), [view._slot]
+
+
+def _by_owner(tensors: Sequence[Any], positions: Sequence[int]) -> list[tuple[ReducedGrads, list[int], list[int]]]:
+    """The views at ``positions`` grouped by the optimizer holding them: (its gradients, their
+    positions, their slots) per optimizer. One model's params may belong to several optimizers
+    (Muon over the matrices, AdamW over the rest), and torch's ``foreach`` paths
+    (``clip_grad_norm_`` on CUDA) pass all of a device's gradients in one list."""
+    groups: dict[int, tuple[ReducedGrads, list[int], list[int]]] = {}
+    for i in positions:
+        grads = tensors[i]._owner()
+        _, where, slots = groups.setdefault(id(grads), (grads, [], []))
+        where.append(i)
+        slots.append(tensors[i]._slot)
+    return list(groups.values())
 
 
 def _norm_tensor(view: ShardedGrad, value: float) -> torch.Tensor:
@@ -147,7 +158,7 @@ def _whole(view: ShardedGrad, dim: Any) -> None:
 
 def _vector_norm(view: ShardedGrad, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
     _whole(view, dim)
-    grads, slots = _owner_and_slots([view])
+    grads, slots = _owner_and_slots(view)
     return _norm_tensor(view, grads.norms(slots, _order(ord))[0])
 
 
@@ -167,9 +178,8 @@ def _split(tensors: Sequence[Any]) -> tuple[list[int], list[int]]:
 def _foreach_norm(tensors: Sequence[Any], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:
     views, plain = _split(tensors)
     out: list[Any] = [None] * len(tensors)
-    if views:
-        grads, slots = _owner_and_slots([tensors[i] for i in views])
-        for i, value in zip(views, grads.norms(slots, _order(ord))):
+    for grads, where, slots in _by_owner(tensors, views):
+        for i, value in zip(where, grads.norms(slots, _order(ord))):
             out[i] = _norm_tensor(tensors[i], value)
     if plain:
         for i, norm in zip(plain, _OPS["foreach_norm"]([tensors[i] for i in plain], ord, dtype=dtype)):
@@ -186,13 +196,13 @@ def _factor(view: ShardedGrad, other: Any) -> float:
 
 
 def _mul_(view: ShardedGrad, other: Any) -> ShardedGrad:
-    grads, slots = _owner_and_slots([view])
+    grads, slots = _owner_and_slots(view)
     grads.scale(slots, _factor(view, other))
     return view
 
 
 def _div_(view: ShardedGrad, other: Any) -> ShardedGrad:
-    grads, slots = _owner_and_slots([view])
+    grads, slots = _owner_and_slots(view)
     grads.scale(slots, 1.0 / _factor(view, other))
     return view
 
@@ -205,22 +215,20 @@ def _foreach_scaling(op: str, invert: bool) -> Callable[[Sequence[Any], Any], No
         per_tensor = isinstance(other, (list, tuple))
         if plain:
             _OPS[op]([tensors[i] for i in plain], [other[i] for i in plain] if per_tensor else other)
-        if not views:
-            return
-        grads, slots = _owner_and_slots([tensors[i] for i in views])
-        factors = [_factor(tensors[i], other[i] if per_tensor else other) for i in views]
-        factors = [1.0 / f for f in factors] if invert else factors
-        if per_tensor:
-            for slot, factor in zip(slots, factors):
-                grads.scale([slot], factor)
-        else:
-            grads.scale(slots, factors[0])
+        for grads, where, slots in _by_owner(tensors, views):
+            factors = [_factor(tensors[i], other[i] if per_tensor else other) for i in where]
+            factors = [1.0 / f for f in factors] if invert else factors
+            if per_tensor:
+                for slot, factor in zip(slots, factors):
+                    grads.scale([slot], factor)
+            else:
+                grads.scale(slots, factors[0])
 
     return handler
 
 
 def _zero_(view: ShardedGrad) -> ShardedGrad:
-    grads, slots = _owner_and_slots([view])
+    grads, slots = _owner_and_slots(view)
     grads.zero(slots)
     return view
 
@@ -235,12 +243,10 @@ def _unscale(tensors: Sequence[Any], found_inf: torch.Tensor, inv_scale: torch.T
     views, plain = _split(tensors)
     if plain:
         _OPS["amp_unscale"]([tensors[i] for i in plain], found_inf, inv_scale)
-    if not views:
-        return
-    grads, slots = _owner_and_slots([tensors[i] for i in views])
-    if not all(math.isfinite(n) for n in grads.norms(slots)):
-        found_inf.fill_(1.0)
-    grads.scale(slots, float(inv_scale))
+    for grads, _, slots in _by_owner(tensors, views):
+        if not all(math.isfinite(n) for n in grads.norms(slots)):
+            found_inf.fill_(1.0)
+        grads.scale(slots, float(inv_scale))
 
 
 _OPS = gradient_ops()
