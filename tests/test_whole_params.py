@@ -435,11 +435,16 @@ def test_muon_and_adamw_over_one_eager_model_match_plain_at_world_2(overlap: boo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("overlap", [False, True], ids=["gather-in-step", "gather-overlaps-forward"])
-def test_muon_and_adamw_under_the_fxzero_backend_with_inductor_match_plain_at_world_2(overlap: bool) -> None:
+@pytest.mark.parametrize(
+    "options",
+    [{"overlap": False}, {"overlap": True}, {"overlap": True, "mxfp8": True, "reuse": True}],
+    ids=["gather-in-step", "gather-overlaps-forward", "mxfp8-gather-in-the-grad-buffer"],
+)
+def test_muon_and_adamw_under_the_fxzero_backend_with_inductor_match_plain_at_world_2(options: dict) -> None:
     """The same through torch.compile(model, backend="fxzero") with Inductor; the plain model
-    is compiled by Inductor too (its kernels round as fxzero's do): bitwise."""
-    run = dataclasses.replace(_MUON_ADAMW, compiled=True, overlap=overlap)
+    is compiled by Inductor too (its kernels round as fxzero's do): bitwise, the MXFP8 gather
+    included (the plain model then computes on its masters' MXFP8 round trip)."""
+    run = dataclasses.replace(_MUON_ADAMW, compiled=True, **options)
     for result in run_ranks(2, _train, run, timeout=600):
         assert result["whole"] == [True, False]
         _assert_matches(result, atol=0.0)
