@@ -84,12 +84,14 @@ def _config(run: Run) -> fxzero.Config:
 
 
 class _Chain(torch.nn.Module):
-    """Five equal matrices on the MLP's data: at dp=4 the first four fill a bucket, one each,
-    and the fifth is alone in the last bucket, where three ranks own nothing."""
+    """Five equal matrices on the MLP's data: at dp=4 the last four fill a bucket, one each,
+    and the first, marked ``shared_embedding`` (a bucket of its own), is alone in the last
+    bucket, where three ranks own nothing."""
 
     def __init__(self) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16, bias=False) for _ in range(5))
+        self.layers[0].weight.shared_embedding = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
@@ -470,15 +472,15 @@ def _explain_owners() -> dict:
 
 
 def _ownership_rows(text: str) -> dict[int, list[str]]:
-    """``rank -> the params its row of explain's ownership table lists``."""
+    """``rank -> the params explain's ownership table (a row per param) says it owns``."""
     lines = text.splitlines()
-    header = next(i for i, line in enumerate(lines) if line.startswith("|") and line.rstrip("| ").endswith("owns"))
-    lines, rows = lines[header + 2 :], {}
-    for line in lines:
+    header = next(i for i, line in enumerate(lines) if line.startswith("|") and line.rstrip("| ").endswith("elements") and "param" in line)
+    rows: dict[int, list[str]] = {}
+    for line in lines[header + 2 :]:
         if not line.startswith("|"):
             break
-        rank, _, _, owns = (cell.strip() for cell in line.strip("|").split("|"))
-        rows[int(rank)] = owns.split(", ")
+        rank, label, _, _ = (cell.strip() for cell in line.strip("|").split("|"))
+        rows.setdefault(int(rank), []).append(label)
     return rows
 
 
@@ -548,7 +550,7 @@ def test_more_ranks_than_params_leaves_ranks_with_empty_shards() -> None:
     assert len(plan.buckets) == 1 and sorted(plan.owners) == [0, 1]
     assert [shard_fragments(plan, rank) == () for rank in range(4)] == [False, False, True, True]
     bal = balance([plan], [params])
-    assert bal.elements == (8, 128, 0, 0) and bal.params == (1, 1, 0, 0)  # dealt in reverse registration order
+    assert bal.elements == (128, 8, 0, 0) and bal.params == (1, 1, 0, 0)  # the largest param first
     # a bucket of one param per rank at dp=4: every bucket of a many-param model has ranks owning one
     many = _check_owned_plan(_meta(*[(100,)] * 10), 4, 16)
     assert all(len(b.param_indices) >= 4 for b in many.buckets[:-1])  # a bucket closes once every rank has a region
@@ -574,3 +576,22 @@ def test_training_at_world_4_with_ranks_owning_nothing(run: Run, owners: list) -
     for result in run_ranks(4, _train, run, timeout=300):
         assert result["whole"] == [True] and [sorted(o) for o in result["owners"]] == owners
         _assert_matches(result)
+
+
+def test_the_example_gpts_hidden_matrices_split_evenly_over_two_ranks() -> None:
+    """The README's Muon run: its 16 matrices, dealt whole to 2 ranks, need no padding."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    try:
+        from train_gpt import ModelArgs, Transformer
+    finally:
+        sys.path.pop(0)
+    with torch.device("meta"):
+        model = Transformer(ModelArgs())
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and n.startswith("layers.")]
+    assert len(hidden) == 16
+    plan = _check_owned_plan(hidden, 2, 1_000_000)
+    bal = balance([plan], [hidden])
+    assert bal.padding == 0 and bal.elements == (1_572_864, 1_572_864)

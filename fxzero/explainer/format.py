@@ -95,17 +95,15 @@ def _bucket_section(explained: "Explained") -> str:
 
 
 def _ownership_section(optimizer: Any) -> str:
-    """Under whole-param ownership: which rank owns (holds the state of, updates) which param."""
+    """Under whole-param ownership: which rank owns (holds the state of, updates) each param."""
     balance = optimizer.balance
     if balance is None:
         return ""
-    table = optimizer.param_table
-    rows = []
-    for rank in range(optimizer.dp.size):
-        labels = [row.label for row in table.rows if row.owner == rank]
-        shown = ", ".join(labels[:6]) + (f", … ({len(labels)} params)" if len(labels) > 6 else "")
-        rows.append([rank, len(labels), balance.elements[rank], shown])
-    return "\n\n" + balance.describe() + "\n" + tabulate(rows, headers=["rank", "params", "elements", "owns"], tablefmt="github")
+    rows = sorted(
+        ([row.owner, row.label, row.bucket, row.param.numel()] for row in optimizer.param_table.rows),
+        key=lambda r: (r[0], r[2]),
+    )
+    return "\n\n" + balance.describe() + "\n" + tabulate(rows, headers=["rank", "param", "bucket", "elements"], tablefmt="github")
 
 
 # ---- the graphs ---------------------------------------------------------------------
