@@ -27,6 +27,7 @@ every ``step()``:
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Sequence
 
 import torch
@@ -69,7 +70,7 @@ class ParamWatch:
     def check(self) -> None:
         """Raise if a param was moved, cast or rebound, or got tensor hooks too late."""
         # one C-level pass each in the common case; the loop below only names the culprit
-        if list(map(torch.Tensor.data_ptr, self.params)) == self._pointers and not any(map(_hooks, self.params)):
+        if list(map(torch.Tensor.data_ptr, self.params)) == self._pointers and not any(map(_HOOKS, self.params)):
             return
         for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
             if param.data_ptr() != pointer and not _rebind_copy(param, self._views[slot]):
@@ -116,8 +117,8 @@ def _words(values: torch.Tensor) -> torch.Tensor:
     return values.view(torch.uint8)
 
 
-def _hooks(param: torch.Tensor) -> bool:
-    return bool(param._backward_hooks)
+_HOOKS = operator.attrgetter("_backward_hooks")
+"""A param's tensor hooks (``None`` or a dict, true when it holds any), read in C."""
 
 
 def _moved_message(label: str, param: torch.Tensor) -> str:
