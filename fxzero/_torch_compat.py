@@ -254,15 +254,15 @@ def in_backward() -> bool:
     return current_graph_task_id() != -1
 
 
-def current_graph_task_id() -> int:
-    """The id of the backward pass running on this thread, or -1 outside backward.
+current_graph_task_id: Callable[[], int] = torch._C._current_graph_task_id
+"""``current_graph_task_id()``: the id of the backward pass running on this thread, or -1 outside backward.
 
-    What for: telling one backward from the next (their first gradient settles which
-    compiled forwards they will deliver for) and whether an op runs inside the autograd
-    engine at all. Uses ``torch._C._current_graph_task_id``; if torch removes it, a
-    counter bumped by a callback queued on the engine at each backward's first gradient.
-    """
-    return torch._C._current_graph_task_id()
+What for: telling one backward from the next (their first gradient settles which
+compiled forwards they will deliver for) and whether an op runs inside the autograd
+engine at all. Uses ``torch._C._current_graph_task_id`` itself, not a wrapper: every gradient
+hand-off asks it (a Python frame around it cost as much as the call). If torch removes it, a
+counter bumped by a callback queued on the engine at each backward's first gradient.
+"""
 
 
 def will_engine_execute_node(node: Any) -> bool:

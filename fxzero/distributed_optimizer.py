@@ -264,7 +264,10 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             return StepResult(skipped=True, grad_norm=norm, loss=loss, reason="non_finite")
         grads.apply(self._clip_coefficient(norm) / grad_scale)
         self._sync_hyperparameters()
-        with grads.hidden(absent):
+        if absent:
+            with grads.hidden(absent):
+                self.local.step()
+        else:  # the common case: nothing to hide, no context manager to enter
             self.local.step()
         self._rank_state.held = True
         self._publish_and_gather()

@@ -69,8 +69,10 @@ def owner_of(param: Any) -> Any:
 
 def binding_of(param: torch.Tensor) -> "GraphBinding":
     """The binding of ``param``'s optimizer; a clear error when it has none any more, or
-    when ``param`` is not a managed param at all (a compiler's copy of one)."""
-    owner = owner_of(param)
+    when ``param`` is not a managed param at all (a compiler's copy of one). Every op call
+    asks it: :func:`owner_of`, inlined."""
+    ref = getattr(param, "_fxzero_owner", None)
+    owner = ref() if ref is not None else None
     if owner is None:
         if not hasattr(param, "_fxzero_owner"):
             raise RuntimeError(not_a_param_message(param))
@@ -278,6 +280,10 @@ def backward_node(outputs: Any) -> Any:
     regenerated outside it, so their ``grad_fn`` leads there), or ``None`` when no output
     needs a gradient."""
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
+    first = outputs[0] if outputs and isinstance(outputs[0], torch.Tensor) else None
+    node = first.grad_fn if first is not None else None
+    if node is not None and type(node).__name__.startswith("CompiledFunction"):
+        return node  # the common case, what the walk below finds first: asked once per graph run
     nodes = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     frontier = nodes
     for _ in range(4):

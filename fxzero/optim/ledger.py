@@ -61,9 +61,7 @@ class Engine(Protocol):
 
 
 class _Autograd:
-    @staticmethod
-    def task_id() -> int:
-        return current_graph_task_id()
+    task_id = staticmethod(current_graph_task_id)
 
     @staticmethod
     def will_execute(node: Any) -> bool:
@@ -77,7 +75,7 @@ class LateGradient(RuntimeError):
     """A gradient arrived for a bucket that was already launched in this step."""
 
 
-@dataclasses.dataclass(eq=False)
+@dataclasses.dataclass(eq=False, slots=True)
 class _Forward:
     node: "weakref.ref[Any]"
     counts: Sequence[tuple[int, int]]

@@ -27,6 +27,7 @@ every ``step()``:
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Sequence
 
 import torch
@@ -78,8 +79,8 @@ class ParamWatch:
         # one C-level pass each in the common case; the loop below only names the culprit
         if (
             list(map(torch.Tensor.data_ptr, self.params)) == self._pointers
-            and list(map(torch.Tensor.data_ptr, map(dtensor_local, self._dtensor_params))) == self._local_pointers
-            and not any(map(_hooks, self.params))
+            and not any(map(_HOOKS, self.params))
+            and (not self._dtensor_params or list(map(torch.Tensor.data_ptr, map(dtensor_local, self._dtensor_params))) == self._local_pointers)
         ):
             return
         for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
@@ -133,8 +134,8 @@ def _words(values: torch.Tensor) -> torch.Tensor:
     return values.view(torch.uint8)
 
 
-def _hooks(param: torch.Tensor) -> bool:
-    return bool(param._backward_hooks)
+_HOOKS = operator.attrgetter("_backward_hooks")
+"""A param's tensor hooks (``None`` or a dict, true when it holds any), read in C."""
 
 
 def _moved_message(label: str, param: torch.Tensor) -> str:

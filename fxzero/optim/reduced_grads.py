@@ -65,6 +65,12 @@ class ReducedGrads:
         for frag in fragments:
             self._of_slot[frag.slot].append(frag)
         self._stats = torch.zeros(2 * n, dtype=torch.float64, device=device)
+        # made once: the step path neither slices nor allocates them
+        self._got_stats, self._square_stats = self._stats[:n], self._stats[n:]
+        self._norms = torch.empty(len(fragments), dtype=torch.float32, device=device)
+        self._one_each = self._slot_list == list(range(n))
+        """Every param has exactly one fragment here, in slot order (world size 1, or params
+        that no shard boundary splits): each square lands in its own stat as is."""
         self._scale = [1.0] * n
         self._scaled = False
         self.reset()
@@ -94,16 +100,21 @@ class ReducedGrads:
         if self._squares:
             return
         self.finish()
-        n, stats = self.num_params, self._stats
-        stats[:n].copy_(self.ledger.presence_tensor)
-        stats[n:].zero_()
+        n, stats, squares = self.num_params, self._stats, self._square_stats
+        self._got_stats.copy_(self.ledger.presence_tensor)
         if self._grads:
-            # per-fragment norms in fp32 (as clip_grad_norm_ does; fp64 elements cost 16x), summed in fp64
-            squares = torch.stack(foreach_norm(self._grads, 2)).double().square()
-            stats[n:].index_add_(0, self._slots, squares)
+            # per-fragment norms in fp32 (as clip_grad_norm_ does; fp64 elements cost 16x), squared
+            # and summed per param in fp64
+            torch.stack(foreach_norm(self._grads, 2), out=self._norms)
+            if self._one_each:  # a sum of one: the square itself (what adding it to 0.0 gives)
+                squares.copy_(self._norms).square_()
+            else:
+                squares.zero_().index_add_(0, self._slots, self._norms.double().square())
+        else:
+            squares.zero_()
         self.dp.all_reduce_sum(stats)
         if self.mesh_norms is not None:
-            self.mesh_norms.sum_once(stats[n:])
+            self.mesh_norms.sum_once(squares)
         values = stats.tolist()
         self._got, self._squares = values[:n], values[n:]  # got: a count of ranks, 0.0 for none
         self._count_hand()
