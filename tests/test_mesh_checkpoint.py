@@ -185,3 +185,26 @@ def test_flat_boxes(shape: tuple[int, ...], lo: int, hi: int, boxes: list[Any]) 
     for box in got:
         block = whole[tuple(slice(o, o + s) for o, s in zip(box.offsets, box.sizes))]
         assert torch.equal(block.reshape(-1), torch.arange(lo + box.start, lo + box.start + box.numel))
+
+
+def _mesh_smaller_than_the_world(ckpt_dir: str) -> str:
+    """TP over pairs of ranks, and as data-parallel group each rank's own one-rank group: the
+    mesh the params live on (1 x 2) is not the world (4), so one DCP call cannot hold them."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    alone = [dist.new_group([rank]) for rank in range(4)][dist.get_rank()]
+    torch.manual_seed(0)
+    model = TinyLlama(Args())
+    parallelize(model, mesh["tp"])
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, process_group=alone, module=model)
+    try:
+        fxzero.save_checkpoint(ckpt_dir, model, opt, step=0)
+    except fxzero.CheckpointError as error:
+        return str(error)
+    return "saved"
+
+
+@pytest.mark.slow
+def test_a_mesh_that_is_not_the_world_is_refused(tmp_path: Path) -> None:
+    for message in run_ranks(4, _mesh_smaller_than_the_world, str(tmp_path), timeout=120):
+        assert "data-parallel size 1 x (tp 2) is 2 ranks, the world has 4" in message, message
+    assert not list(tmp_path.iterdir())
