@@ -19,14 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
+from test_mesh import CLIP, LR, Args, TinyLlama, _full, _loss, _tokens, parallelize
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxzero
 from fxzero.checkpoint import state
 from fxzero.checkpoint.pieces import flat_boxes
 from fxzero.testing import run_ranks
-
-from test_mesh import CLIP, LR, Args, TinyLlama, _full, _loss, _tokens, parallelize
 
 SAVED_AT, MORE = 2, 2
 """AdamW steps before the save, and after it (in the uninterrupted run and in each resume)."""
