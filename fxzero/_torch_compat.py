@@ -27,6 +27,7 @@ __all__ = [
     "called_from_torch_checkpoint",
     "compile_id",
     "current_graph_task_id",
+    "dtensor_global_offset",
     "dtensor_local",
     "dynamo_input_names",
     "engine_accumulates_all",
@@ -474,6 +475,20 @@ def set_dtensor_local(param: torch.Tensor, local: torch.Tensor) -> None:
     shape, dtype and device (the DTensor's metadata is not changed). If torch forbids it:
     ``torch.utils.swap_tensors(param, DTensor.from_local(local, ...))``."""
     param._local_tensor = local  # type: ignore[attr-defined]
+
+
+def dtensor_global_offset(param: torch.Tensor) -> tuple[int, ...]:
+    """Where this rank's local tensor of DTensor ``param`` starts in the global tensor, per dim.
+
+    What for: fxzero's checkpoints store each param's optimizer state as the global tensor, so
+    a run with another tensor-parallel degree reads it; a rank's fragment of the local tensor
+    is placed there. Uses ``torch.distributed.tensor._utils.compute_local_shape_and_global_offset``
+    (what DCP's own DTensor write items use). If torch moves it:
+    ``param.__create_chunk_list__()[0].offsets``, DCP's checkpointable protocol on DTensor."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)  # type: ignore[attr-defined]
+    return tuple(int(o) for o in offset)
 
 
 # ---- multi-tensor kernels -----------------------------------------------------------------

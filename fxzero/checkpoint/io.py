@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from .state import (
@@ -59,6 +60,7 @@ from .state import (
     slot_names,
 )
 from ..distributed_optimizer import DistributedOptimizer
+from ..optim.comm import DataParallelGroup
 from .ranks import CheckpointRanks
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
@@ -97,7 +99,7 @@ def save_checkpoint(
     on every rank and removes the partial ``.tmp-`` directory.
     """
     _check_args(optimizer, step, extra, arrival_timeout)
-    ranks = CheckpointRanks(optimizer.dp)
+    ranks = _ranks(optimizer)
     ranks.handshake(f"save_checkpoint(step={step})", arrival_timeout, optimizer.params[0].device)
     optimizer.finish_param_sync()
     names, state, spec, groups = ranks.together("collecting the state to save", lambda: _collect(model, optimizer))
@@ -136,7 +138,7 @@ def load_checkpoint(
     raises it too, saying there is nothing to load."""
     _check_optimizer(optimizer)
     _check_timeout(arrival_timeout)
-    ranks = CheckpointRanks(optimizer.dp)
+    ranks = _ranks(optimizer)
     ranks.handshake(f"load_checkpoint({None if path is None else Path(path).name!r})", arrival_timeout, optimizer.params[0].device)
     if path is None:
         raise CheckpointError(
@@ -149,12 +151,12 @@ def load_checkpoint(
     metadata = ranks.together(f"checkpoint {path}: reading DCP's metadata", dcp.FileSystemReader(path).read_metadata)
     optimizer.finish_param_sync()
     names = slot_names(model, optimizer)
-    check_compatible(manifest, metadata, model, optimizer, names)
+    ranks.together(f"checkpoint {path}", lambda: check_compatible(manifest, metadata, model, optimizer, names))
     targets = load_targets(model, optimizer, names, manifest["state"], metadata)
     ranks.together(f"checkpoint {path}: reading the data", lambda: _dcp_load(path, targets, ranks))
     apply_loaded(targets, model, optimizer, names, manifest["state"])
     apply_hyperparameters(optimizer, manifest["param_groups"])
-    log.info("loaded checkpoint %s (step %d, saved on %d ranks)", path, manifest["step"], manifest["saved_world_size"])
+    log.info("loaded checkpoint %s (step %d, saved at data-parallel size %d)", path, manifest["step"], manifest["saved_world_size"])
     return {"step": manifest["step"], "extra": manifest["extra"], "path": path}
 
 
@@ -212,7 +214,25 @@ def _quiet_at_world_one() -> Iterator[None]:
 def _check_optimizer(optimizer: Any) -> None:
     if not isinstance(optimizer, DistributedOptimizer):
         raise TypeError(f"optimizer must be a fxzero.DistributedOptimizer, got {type(optimizer).__name__}")
-    optimizer.refuse_param_shaped_state("a checkpoint")
+
+
+def _ranks(optimizer: DistributedOptimizer) -> CheckpointRanks:
+    """The ranks that save and load together: the optimizer's group, or with DTensor params
+    placed over other mesh dimensions (tensor parallelism) the whole world, which must then
+    be that mesh (the data-parallel group times those dimensions): each TP rank holds other
+    pieces of the params, and one DCP call over all of them writes one checkpoint."""
+    dims = optimizer.mesh_params.dims
+    if not dims:
+        return CheckpointRanks(optimizer.dp)
+    world = DataParallelGroup.resolve(dist.group.WORLD)
+    spanned = optimizer.dp.size * math.prod(len(d.ranks) for d in dims)
+    if spanned != world.size:
+        sizes = ", ".join(f"{d.name} {len(d.ranks)}" for d in dims)
+        raise CheckpointError(
+            f"checkpoints of DTensor params run over the whole world, which must be the mesh the params live on: "
+            f"data-parallel size {optimizer.dp.size} x ({sizes}) is {spanned} ranks, the world has {world.size}"
+        )
+    return CheckpointRanks(world)
 
 
 def _check_timeout(arrival_timeout: Any) -> None:

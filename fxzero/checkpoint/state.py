@@ -6,10 +6,16 @@ The format does not depend on the world size or the bucket layout it was saved w
   that DCP writes once, so the checkpoint also loads into a model without fxzero;
 * ``optim/<param>/main`` - the fp32 master values of a managed param, and
   ``optim/<param>/<key>`` for every elementwise state tensor of the wrapped optimizer
-  (AdamW's ``exp_avg``, ``exp_avg_sq``), each a *logical full 1-D tensor* of the param's
-  numel of which every rank writes only the fragment ``[lo, hi)`` it owns (a
-  :class:`Chunk`); on load each rank asks for its own, new fragments and DCP reads the
-  overlapping pieces of whatever the saving ranks wrote: that is the resharding;
+  (AdamW's ``exp_avg``, ``exp_avg_sq``), each a *logical tensor of the param's global
+  shape* of which every rank writes only the fragment ``[lo, hi)`` it owns, as N-D chunks
+  (:class:`~fxzero.checkpoint.pieces.Pieces`: for a DTensor param the fragment is a piece
+  of its local tensor, placed at the local tensor's global offset; a param replicated over
+  a tensor-parallel dimension is written by that dimension's coordinate 0 only); on load
+  each rank asks for its own, new fragments and DCP reads the overlapping pieces of
+  whatever the saving ranks wrote: that is the resharding, over the data-parallel size,
+  the bucket layout and the tensor-parallel degree alike (checkpoints of fxzero before
+  DTensor support stored ``[numel]``-shaped 1-D tensors: they load into params whose
+  local tensor is the whole param);
 * ``optim/<param>/<key>`` for other tensors (AdamW's scalar ``step``): a plain tensor,
   the same on every rank that owns part of the param.
 
@@ -21,6 +27,7 @@ the optimizer class and the layout of the state go to the manifest (JSON), see
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -29,30 +36,23 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultSavePlanner,
 )
 from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    TensorProperties,
     TensorStorageMetadata,
 )
-from torch.distributed.checkpoint.planner import (
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
 from torch.distributed.checkpoint.utils import find_state_dict_object
+from torch.distributed.tensor import DTensor
 
-from .._torch_compat import DcpCheckpointable
-from ..optim.layout import Fragment
+from .._torch_compat import dtensor_global_offset, dtensor_local
 from ..optim.shards import FragmentTensor
 from ..optim.state_dict import hyperparameters, is_elementwise_state
+from .pieces import Pieces
 
 if TYPE_CHECKING:
     from ..distributed_optimizer import DistributedOptimizer
 
 __all__ = [
     "CheckpointError",
-    "Chunk",
     "ChunkLoadPlanner",
     "ChunkSavePlanner",
     "apply_hyperparameters",
@@ -60,6 +60,7 @@ __all__ = [
     "check_compatible",
     "group_records",
     "load_targets",
+    "placed",
     "save_state",
     "slot_names",
 ]
@@ -76,38 +77,49 @@ class CheckpointError(ValueError):
     did not all make the same call. Raised on every rank, before anything live is changed."""
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class Chunk(DcpCheckpointable):
-    """``local`` is the piece ``[offset, offset + local.numel())`` of a logical 1-D tensor
-    of ``numel`` elements. It speaks DCP's checkpointable protocol
-    (:class:`~fxzero._torch_compat.DcpCheckpointable`), so DCP plans uneven and empty
-    pieces, at any world size, without ShardedTensor (which needs a process group even
-    at world size 1)."""
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """Where a managed param's local tensor (the param itself, unless it is a DTensor) lies
+    in the global param: what turns a fragment into chunks of the logical tensor."""
 
-    local: torch.Tensor
-    offset: int
-    numel: int
+    local_shape: tuple[int, ...]
+    offset: tuple[int, ...]
+    size: tuple[int, ...]
+    """The global shape (a 0-dim param counts as ``(1,)``)."""
 
-    def _chunk(self) -> ChunkStorageMetadata:
-        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=torch.Size([self.local.numel()]))
+    @property
+    def whole(self) -> bool:
+        return self.local_shape == self.size
 
-    def write_items(self, fqn: str) -> list[WriteItem]:
-        if self.local.numel() == 0:
-            return []
-        data = TensorWriteData(self._chunk(), TensorProperties.create_from_tensor(self.local), torch.Size([self.numel]))
-        return [WriteItem(MetadataIndex(fqn, torch.Size([self.offset])), WriteItemType.SHARD, tensor_data=data)]
+    def pieces(self, flat: torch.Tensor, lo: int, saved: Sequence[int] = ()) -> Pieces:
+        """Elements ``[lo, lo + flat.numel())`` of the local tensor, in the coordinates of a
+        logical tensor of shape ``saved`` (default: the global shape; an older checkpoint's
+        ``(numel,)`` when the local tensor is the whole param)."""
+        if tuple(saved) in ((), self.size):
+            return Pieces.of(flat, self.local_shape, lo, self.offset, self.size)
+        numel = math.prod(self.size)
+        return Pieces.of(flat, (numel,), lo, (0,), (numel,))
 
-    def chunk_list(self) -> list[ChunkStorageMetadata]:
-        return [self._chunk()] if self.local.numel() else []
+    def reads(self, saved: Sequence[int]) -> bool:
+        """Whether :meth:`pieces` can place this rank's fragments in a saved tensor of shape ``saved``."""
+        return tuple(saved) == self.size or (self.whole and tuple(saved) == (math.prod(self.size),))
+
+
+def placed(param: torch.Tensor) -> Placed:
+    """Where ``param``'s local tensor lies in the global param."""
+    size = tuple(param.shape) or (1,)
+    if not isinstance(param, DTensor):
+        return Placed(size, (0,) * len(size), size)
+    return Placed(tuple(dtensor_local(param).shape) or (1,), dtensor_global_offset(param) or (0,), size)
 
 
 def _lookup(state_dict: dict[str, Any], index: MetadataIndex) -> Any:
     obj = state_dict.get(index.fqn)
-    return obj.local if isinstance(obj, Chunk) else find_state_dict_object(state_dict, index)
+    return obj.piece(index.offset) if isinstance(obj, Pieces) else find_state_dict_object(state_dict, index)
 
 
 class ChunkSavePlanner(DefaultSavePlanner):
-    """DCP's default planner for a flat state dict; a :class:`Chunk` resolves to its local piece."""
+    """DCP's default planner for a flat state dict; a :class:`Pieces` resolves to the piece asked for."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False)
@@ -117,7 +129,7 @@ class ChunkSavePlanner(DefaultSavePlanner):
 
 
 class ChunkLoadPlanner(DefaultLoadPlanner):
-    """DCP's default planner for a flat state dict; a :class:`Chunk` resolves to its local piece."""
+    """DCP's default planner for a flat state dict; a :class:`Pieces` resolves to the piece asked for."""
 
     def __init__(self) -> None:
         super().__init__(flatten_state_dict=False)
@@ -125,7 +137,7 @@ class ChunkLoadPlanner(DefaultLoadPlanner):
     def set_up_planner(self, state_dict: dict[str, Any], metadata: Any = None, is_coordinator: bool = False) -> None:
         # DCP's set-up replaces every value that is not a tensor, container or scalar by
         # None (torch 2.13 _iterate_state_dict), which would drop our chunks: put them back.
-        chunks = {key: value for key, value in state_dict.items() if isinstance(value, Chunk)}
+        chunks = {key: value for key, value in state_dict.items() if isinstance(value, Pieces)}
         super().set_up_planner(state_dict, metadata, is_coordinator)
         state_dict.update(chunks)
         self.state_dict.update(chunks)
@@ -158,17 +170,20 @@ def _kind(value: Any, frag: FragmentTensor, where: str) -> Any:
 
 
 def save_state(model: torch.nn.Module, opt: "DistributedOptimizer", names: Sequence[str]) -> tuple[dict[str, Any], dict]:
-    """This rank's DCP state dict, and the kind of every state entry of the params it owns."""
+    """This rank's DCP state dict, and the kind of every state entry of the params it owns
+    (a param replicated over a tensor-parallel dimension is written from its coordinate 0)."""
     state: dict[str, Any] = {MODEL + key: value for key, value in model.state_dict().items()}
     spec: dict[str, dict[str, Any]] = {}
     for frag in opt.fragments:
-        name, numel, where = names[frag.slot], opt.params[frag.slot].numel(), frag.where
-        state[f"{OPTIM}{name}/main"] = Chunk(frag.param.detach().reshape(-1), where.param_offset, numel)
+        name, where, lo = names[frag.slot], placed(opt.params[frag.slot]), frag.where.param_offset
+        writes = opt.mesh_params.counted_here(frag.slot)
+        if writes:
+            state[f"{OPTIM}{name}/main"] = where.pieces(frag.param.detach().reshape(-1), lo)
         for key, value in opt.fragment_state(frag).items():
             kind = spec.setdefault(name, {})[key] = _kind(value, frag, f"{key!r} of {name!r}")
-            if kind == SHARDED:
-                state[f"{OPTIM}{name}/{key}"] = Chunk(value.reshape(-1), where.param_offset, numel)
-            elif kind == TENSOR:
+            if writes and kind == SHARDED:
+                state[f"{OPTIM}{name}/{key}"] = where.pieces(value.reshape(-1), lo)
+            elif writes and kind == TENSOR:
                 state[f"{OPTIM}{name}/{key}"] = value
     return state, spec
 
@@ -182,12 +197,15 @@ def check_compatible(
     problems += _model_differences(metadata, model)
     problems += _group_differences(manifest["param_groups"], opt, names)
     for slot, name in enumerate(names):
-        entry = metadata.state_dict_metadata.get(f"{OPTIM}{name}/main")
-        numel = opt.params[slot].numel()
-        if numel and (not isinstance(entry, TensorStorageMetadata) or tuple(entry.size) != (numel,)):
-            problems.append(f"param {name!r}: no fp32 master values of {numel} elements in the checkpoint")
+        where, entries = placed(opt.params[slot]), metadata.state_dict_metadata
+        entry = entries.get(f"{OPTIM}{name}/main")
+        if opt.params[slot].numel() and not (isinstance(entry, TensorStorageMetadata) and where.reads(entry.size)):
+            saved = f"of shape {tuple(entry.size)}" if isinstance(entry, TensorStorageMetadata) else "none"
+            problems.append(f"param {name!r}: no fp32 master values of its shape {where.size} in the checkpoint ({saved})")
         for key, kind in manifest["state"].get(name, {}).items():
-            if kind in (SHARDED, TENSOR) and f"{OPTIM}{name}/{key}" not in metadata.state_dict_metadata:
+            if kind == SHARDED and not (isinstance(e := entries.get(f"{OPTIM}{name}/{key}"), TensorStorageMetadata) and where.reads(e.size)):
+                problems.append(f"optimizer state {key!r} of {name!r} is in {MANIFEST} but not in the data in its shape")
+            elif kind == TENSOR and f"{OPTIM}{name}/{key}" not in entries:
                 problems.append(f"optimizer state {key!r} of {name!r} is in {MANIFEST} but not in the data")
     if problems:
         raise CheckpointError("checkpoint does not match the model/optimizer:\n  - " + "\n  - ".join(dict.fromkeys(problems)))
@@ -229,22 +247,22 @@ def load_targets(
         for key, value in model.state_dict(keep_vars=True).items()
         if opt.param_table.find(value) is None
     }
-    device = torch.device("cpu")  # the wrapped optimizer's load_state_dict moves state where it belongs
+    entries = metadata.state_dict_metadata
     for frag in opt.fragments:
-        name, numel, where = names[frag.slot], opt.params[frag.slot].numel(), frag.where
-        targets[f"{OPTIM}{name}/main"] = _fresh_chunk(where, numel, torch.float32, device)
-        for key, kind in spec.get(name, {}).items():
+        name, where, lo, numel = names[frag.slot], placed(opt.params[frag.slot]), frag.where.param_offset, frag.where.numel
+        for key, kind in [("main", SHARDED), *spec.get(name, {}).items()]:
             fqn = f"{OPTIM}{name}/{key}"
             if kind == SHARDED:
-                targets[fqn] = _fresh_chunk(where, numel, metadata.state_dict_metadata[fqn].properties.dtype, device)
+                entry = entries[fqn]
+                targets[fqn] = where.pieces(_empty((numel,), entry.properties.dtype), lo, entry.size)
             elif kind == TENSOR:
-                entry = metadata.state_dict_metadata[fqn]
-                targets[fqn] = torch.empty(entry.size, dtype=entry.properties.dtype, device=device)
+                targets[fqn] = _empty(entries[fqn].size, entries[fqn].properties.dtype)
     return targets
 
 
-def _fresh_chunk(where: Fragment, numel: int, dtype: torch.dtype, device: torch.device) -> Chunk:
-    return Chunk(torch.empty(where.numel, dtype=dtype, device=device), where.param_offset, numel)
+def _empty(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """On the CPU: the wrapped optimizer's load_state_dict moves state where it belongs."""
+    return torch.empty(tuple(shape), dtype=dtype, device="cpu")
 
 
 @torch.no_grad()
@@ -260,7 +278,7 @@ def apply_loaded(
         states = []
         for frag in opt.fragments:
             name = names[frag.slot]
-            frag.param.view(-1).copy_(targets[f"{OPTIM}{name}/main"].local)
+            frag.param.view(-1).copy_(targets[f"{OPTIM}{name}/main"].flat)
             states.append(
                 {key: _loaded_value(targets, f"{OPTIM}{name}/{key}", kind, frag) for key, kind in spec.get(name, {}).items()}
             )
@@ -269,7 +287,7 @@ def apply_loaded(
 
 def _loaded_value(targets: dict[str, Any], fqn: str, kind: Any, frag: FragmentTensor) -> Any:
     if kind == SHARDED:
-        return targets[fqn].local.view(frag.param.shape)
+        return targets[fqn].flat.view(frag.param.shape)
     return targets[fqn] if kind == TENSOR else kind[1]
 
 

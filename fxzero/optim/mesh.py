@@ -103,12 +103,14 @@ class MeshParams:
         """How ``ReducedGrads`` finishes its norms over the other dimensions (None: nothing to do)."""
         if not self.dims:
             return None
-        mask = torch.ones(num_params, dtype=torch.float64, device=device)
-        for dim, sharded in zip(self.dims, self.sharded):
-            if dim.coordinate != 0:  # replicated over this dimension: counted on coordinate 0 only
-                for slot in set(range(num_params)) - sharded:
-                    mask[slot] = 0.0
+        mask = torch.tensor([float(self.counted_here(s)) for s in range(num_params)], dtype=torch.float64, device=device)
         return MeshNorms(self.dims, mask)
+
+    def counted_here(self, slot: int) -> bool:
+        """Whether this rank holds the one copy of param ``slot``'s local tensor that counts
+        (in the norm, in a checkpoint): over every other dimension the param is sharded over,
+        or this rank is that dimension's coordinate 0 (a replicated param's copies are equal)."""
+        return all(d.coordinate == 0 or slot in sharded for d, sharded in zip(self.dims, self.sharded))
 
     @staticmethod
     def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:

@@ -116,13 +116,15 @@ class ShardedState:
         return {"state": state, "param_groups": groups}
 
     def refuse_param_shaped_state(self, what: str) -> None:
-        """Param-shaped state (plain ``torch.optim`` format, fxzero's checkpoints) of a DTensor
-        param needs its global shape and placement, which these formats do not carry yet: refused,
-        rather than a state of the local shape saved under the global param's name."""
+        """Param-shaped state in plain ``torch.optim`` format of a DTensor param would need its
+        global shape, gathered over the other mesh dimensions too, which this format's export
+        does not do yet: refused, rather than a state of the local shape saved under the global
+        param's name. (fxzero's checkpoints store global shapes: they are not refused.)"""
         if self.mesh_params.any:
             slot = min(self.mesh_params.dtensor_slots)
             raise NotImplementedError(
                 f"fxzero: {what} with DTensor params (e.g. {self.param_table.label(slot)!r}) is not supported yet; "
+                "fxzero.save_checkpoint / load_checkpoint (any data-parallel size and tensor-parallel degree) and "
                 "opt.state_dict() / opt.load_state_dict() of fxzero's own per-rank format (same mesh and layout) are."
             )
 
