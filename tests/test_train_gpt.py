@@ -149,7 +149,8 @@ def test_tp_refusals_name_the_flag(flags: list[str], message: str, capsys: pytes
     assert message in capsys.readouterr().err
 
 
-def test_default_run_passes_the_checks() -> None:
+def test_default_and_tp_runs_pass_the_checks(capsys: pytest.CaptureFixture[str]) -> None:
     parser = train_gpt.build_parser()
-    train_gpt.check_args(parser, parser.parse_args([]), world=2)
-    train_gpt.check_args(parser, parser.parse_args(["--tp", "2", "--compile", "none"]), world=4)
+    for flags, world in (([], 2), (["--tp", "2", "--compile", "none"], 4), (["--tp", "1", "--mxfp8"], 2)):
+        train_gpt.check_args(parser, parser.parse_args(flags), world=world)  # no SystemExit
+    assert capsys.readouterr().err == ""
