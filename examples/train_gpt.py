@@ -3,15 +3,21 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py    # 2 ranks (gloo on CPU, NCCL on GPU)
     python examples/train_gpt.py --steps 20 --compile none   # 1 rank, eager, no process group
     torchrun --nproc-per-node 2 examples/train_gpt.py --optimizer muon   # Muon on the blocks' matrices
+    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --compile none   # dp 2 x tp 2, eager
 
 With --optimizer muon, two DistributedOptimizers share the model: torch.optim.Muon over the
 attention and MLP matrices (each owned whole by one rank: Muon orthogonalizes a matrix's whole
 update) and AdamW over the embeddings (tied to the head), the norms and their biases.
 
+With --tp N, the ranks form a (dp = world / N) x (tp = N) DeviceMesh: each block's attention
+and MLP are tensor-parallel (DTensor params, Megatron's column/row split) over "tp", and
+fxzero's ZeRO-1 runs over "dp". Eager only for now (--compile none), without checkpoints.
+
 Data: the Python standard library's own .py files (about 2 MB, read in sorted order),
 or --data FILE; one token per byte. Each step draws a global batch of --global-batch
-sequences from a generator seeded by the step number, and each rank trains on its
-1/world slice of it, so the run does the same math at any world size.
+sequences from a generator seeded by the step number, and each data-parallel rank trains on
+its 1/dp slice of it (the TP ranks of one dp rank on the same slice), so the run does the
+same math at any world size and TP degree.
 """
 
 import argparse
@@ -24,13 +30,16 @@ import sysconfig
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from tabulate import tabulate
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fxzero
 
@@ -47,16 +56,16 @@ class ModelArgs:
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.n_head = args.n_head
+        self.head_dim = args.dim // args.n_head
         self.wqkv = nn.Linear(args.dim, 3 * args.dim, bias=False)
         self.wo = nn.Linear(args.dim, args.dim, bias=False)
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.wqkv(x).split(d, dim=-1)
-        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        b, t, _ = x.shape  # under TP, wqkv gives this rank's heads only (see shard_qkv_rows): -1 below
+        q, k, v = self.wqkv(x).chunk(3, dim=-1)
+        q, k, v = (z.view(b, t, -1, self.head_dim).transpose(1, 2) for z in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.wo(y.transpose(1, 2).reshape(b, t, d))
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
 class FeedForward(nn.Module):
@@ -104,6 +113,37 @@ class Transformer(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
+# ---- tensor parallelism (--tp) -----------------------------------------------------------
+def shard_qkv_rows(wqkv: nn.Linear, tp: int) -> None:
+    """Reorder the fused wqkv's output rows from [q; k; v] to [q_0; k_0; v_0; q_1; ...], where
+    q_r holds TP rank r's heads, so that ColwiseParallel's contiguous row shard on rank r is
+    [q_r; k_r; v_r] (gpt-fast shards its fused wqkv the same way). A relabeling of the
+    outputs that the forward undoes: the model computes the same function."""
+    w = wqkv.weight
+    with torch.no_grad():  # reshape of the transposed view copies: no aliasing with w
+        w.copy_(w.view(3, tp, -1, w.shape[1]).transpose(0, 1).reshape(w.shape))
+
+
+def parallelize(model: Transformer, tp_mesh: DeviceMesh) -> None:
+    """Megatron-style TP over ``tp_mesh``: in each block, wqkv and w1 ColwiseParallel (each
+    rank computes its heads / its slice of the hidden units), wo and w2 RowwiseParallel (one
+    all-reduce after each). The embeddings, the tied head and the LayerNorms stay plain
+    params, replicated on every TP rank (fxzero counts them once in the global norm)."""
+    for layer in model.layers:
+        shard_qkv_rows(layer.attention.wqkv, tp_mesh.size())
+        parallelize_module(layer, tp_mesh, {
+            "attention.wqkv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        })  # fmt: skip
+
+
+def local_numel(p: torch.Tensor) -> int:
+    """Elements this rank holds of ``p`` (its local shard for a DTensor)."""
+    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+
+
 def load_bytes(path, limit=2_000_000):
     if path:
         return Path(path).read_bytes()
@@ -124,7 +164,8 @@ def windows(data, starts, seq, device):  # inputs and next-byte targets
 
 
 def get_batch(data, step, args, rank, world, device):
-    """This rank's slice of global batch `step`: the same global batch at any world size."""
+    """Slice `rank` of `world` (the data-parallel rank and size) of global batch `step`: the
+    same global batch at any world size."""
     g = torch.Generator().manual_seed(step)
     starts = torch.randint(len(data) - args.seq - 1, (args.global_batch,), generator=g)
     per_rank = args.global_batch // world
@@ -138,10 +179,10 @@ def lr_at(step, args):  # linear warmup, then cosine down to lr/10
     return args.lr * (0.55 + 0.45 * math.cos(math.pi * (step - warmup) / max(1, args.steps - warmup)))
 
 
-def reduce(value, op, device):
+def reduce(value, op, device, group=None):
     t = torch.tensor(float(value), dtype=torch.float64, device=device)
     if dist.is_initialized():
-        dist.all_reduce(t, op=op)
+        dist.all_reduce(t, op=op, group=group)
     return t.item()
 
 
@@ -168,7 +209,40 @@ def build_parser():
     p.add_argument("--data", default=None, help="a text file (default: the stdlib's .py files)")
     p.add_argument("--ckpt-dir", default=None, help="resume from the latest checkpoint here; save into it")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel degree: a (world / tp) x tp mesh, ZeRO-1 over dp (needs --compile none)")
     return p
+
+
+TP_UNSUPPORTED = {  # flag -> why it is refused with --tp > 1 (for now)
+    "--ckpt-dir": "fxzero's checkpoints refuse DTensor params for now",
+    "--optimizer muon": "Muon owns each matrix whole, and TP shards the blocks' matrices",
+    "--mxfp8": "the MXFP8 gather is not tested with DTensor params yet",
+    "--overlap": "overlap_param_gather is not tested with DTensor params yet",
+    "--accum": "gradient accumulation (no_sync) is not tested with DTensor params yet",
+}
+
+
+def check_args(parser, args, world):
+    """Refuse (parser.error, naming the flag) what this run cannot do."""
+    tp = args.tp
+    if tp < 1 or world % tp:
+        parser.error(f"--tp {tp} must divide the world size {world}")
+    if tp > 1:
+        if args.compile != "none":
+            parser.error(f"--tp {tp} needs --compile none (got --compile {args.compile}): fxzero does not "
+                         "torch.compile tensor-parallel (DTensor) models yet")
+        if args.heads % tp:
+            parser.error(f"--tp {tp} must divide --heads {args.heads} (each TP rank computes whole heads)")
+        used = {"--ckpt-dir": args.ckpt_dir is not None, "--optimizer muon": args.optimizer == "muon",
+                "--mxfp8": args.mxfp8, "--overlap": args.overlap, "--accum": args.accum > 1}
+        for flag, why in TP_UNSUPPORTED.items():
+            if used[flag]:
+                parser.error(f"{flag} is not supported with --tp {tp} yet: {why}")
+    dp = world // tp
+    if args.global_batch % (dp * args.accum):
+        what = "world * accum" if tp == 1 else f"dp * accum (dp = world / tp = {dp})"
+        parser.error(f"--global-batch {args.global_batch} must be divisible by {what} = {dp * args.accum}")
 
 
 def init_distributed():
@@ -198,6 +272,19 @@ class Job:
     train_data: torch.Tensor
     val_data: torch.Tensor
     log: Callable[..., None]  # prints on rank 0 only
+    mesh: Optional[DeviceMesh] = None  # the (dp, tp) mesh with --tp > 1, else None (plain data parallelism)
+
+    @property
+    def dp(self) -> int:
+        return self.world // self.args.tp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank if self.mesh is None else self.mesh["dp"].get_local_rank()
+
+    @property
+    def dp_group(self) -> Optional[dist.ProcessGroup]:
+        return None if self.mesh is None else self.mesh["dp"].get_group()
 
 
 CLIP = 1.0  # max global grad norm
@@ -208,13 +295,13 @@ def fxzero_config(args, clip_grad):
                          mxfp8_param_gather=args.mxfp8, reuse_grad_buf_for_mxfp8_param_ag=args.mxfp8)
 
 
-def build_adamw(model, params, args, clip_grad):
+def build_adamw(model, params, args, clip_grad, group=None):
     groups = [  # weight decay on matrices (and the embedding) only
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return fxzero.DistributedOptimizer(
-        groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), process_group=None,
+        groups, torch.optim.AdamW, lr=args.lr, betas=(0.9, 0.95), process_group=group,  # mesh["dp"] with --tp
         config=fxzero_config(args, clip_grad),
         module=model,  # lay buckets out in registration order (the groups split the model)
     )
@@ -231,12 +318,13 @@ def build_muon(model, params, args):
     )
 
 
-def build_optimizers(model, args):
+def build_optimizers(model, args, group=None):
     """{name: optimizer}. AdamW alone clips in step() (Config.clip_grad); two optimizers would each
-    clip by the norm of their own params, so train_step clips by the whole model's norm instead."""
+    clip by the norm of their own params, so train_step clips by the whole model's norm instead.
+    ``group``: the data-parallel dimension of the mesh with --tp, else None (the world)."""
     params = list(model.parameters())  # the tied embedding/head weight appears once
     if args.optimizer == "adamw":
-        return {"adamw": build_adamw(model, params, args, clip_grad=CLIP)}
+        return {"adamw": build_adamw(model, params, args, clip_grad=CLIP, group=group)}
     hidden = {id(p) for p in model.layers.parameters() if p.dim() == 2}  # attention and MLP matrices
     return {
         "muon": build_muon(model, [p for p in params if id(p) in hidden], args),
@@ -250,12 +338,16 @@ def build_job(args, rank, world, device):
     torch.manual_seed(0)  # same init on every rank
     model_args = ModelArgs(block_size=args.seq, dim=args.dim, n_layer=args.layers, n_head=args.heads)
     model = Transformer(model_args).to(device)
-    opts = build_optimizers(model, args)
+    mesh = None
+    if args.tp > 1:  # before the optimizer: fxzero's buffers take the DTensors' local shards
+        mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh["tp"])
+    opts = build_optimizers(model, args, group=None if mesh is None else mesh["dp"])
     train_model = model  # fxzero's passes put each bucket's reduce-scatter and all-gather wait into the graphs
     if args.compile != "none":
         train_model = torch.compile(model, backend="fxzero", options={"inner_compiler": args.compile})
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
-    return Job(args, rank, world, device, model, train_model, opts, data[:split], data[split:], log)
+    return Job(args, rank, world, device, model, train_model, opts, data[:split], data[split:], log, mesh)
 
 
 # ---- training ---------------------------------------------------------------------------
@@ -274,8 +366,8 @@ def train_step(job, step, loss_sum):
     for opt in opts:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
-    x, y = get_batch(job.train_data, step, args, job.rank, job.world, job.device)
-    micro = args.global_batch // job.world // args.accum
+    x, y = get_batch(job.train_data, step, args, job.dp_rank, job.dp, job.device)
+    micro = args.global_batch // job.dp // args.accum
     for i in range(args.accum):
         # All but the last microbatch only accumulate into main_grad; the last
         # backward launches each bucket's reduce-scatter as soon as its grads are in.
@@ -303,7 +395,7 @@ def train(job):
             save(job, step)
         n_sum += 1
         if step == 1 or step % args.log_every == 0 or step == args.steps:
-            mean_loss = reduce(loss_sum, dist.ReduceOp.SUM, device) / (job.world * n_sum)  # one scalar all-reduce
+            mean_loss = reduce(loss_sum, dist.ReduceOp.SUM, device, job.dp_group) / (job.dp * n_sum)  # one scalar all-reduce
             now = time.perf_counter()
             ms = 1000 * (now - t_last) / n_sum
             losses.append(mean_loss)
@@ -321,9 +413,9 @@ def validate(job):
     val_starts = torch.arange(0, len(val_data) - seq - 1, seq)[:256]
     val_sum = 0.0
     with torch.no_grad():
-        for chunk in val_starts[job.rank :: job.world].split(32):
+        for chunk in val_starts[job.dp_rank :: job.dp].split(32):  # a dp rank's TP ranks: the same chunks
             val_sum += job.model(*windows(val_data, chunk, seq, job.device)).item() * len(chunk)
-    return reduce(val_sum, dist.ReduceOp.SUM, job.device) / len(val_starts)
+    return reduce(val_sum, dist.ReduceOp.SUM, job.device, job.dp_group) / len(val_starts)
 
 
 # ---- the summary table ------------------------------------------------------------------
@@ -332,9 +424,10 @@ def optimizer_names(opts):
 
 
 def unsharded_state_bytes(opts):
-    """What torch.optim would hold on every rank: AdamW two fp32 moments, Muon one momentum buffer."""
+    """What torch.optim would hold on every rank: AdamW two fp32 moments, Muon one momentum buffer
+    (with --tp, of this rank's TP shards)."""
     per_elem = {torch.optim.AdamW: 8, torch.optim.Muon: 4}
-    return sum(per_elem[opt.optimizer_class] * p.numel() for opt in opts.values() for p in opt.params)
+    return sum(per_elem[opt.optimizer_class] * local_numel(p) for opt in opts.values() for p in opt.params)
 
 
 def summary(job, losses, val_loss, skipped, first_ms, t_start):
@@ -351,7 +444,10 @@ def summary(job, losses, val_loss, skipped, first_ms, t_start):
     for opt in opts:
         counts.update(opt.collectives_per_step)
     collectives = f"{sum(counts.values())} (" + " + ".join(f"{n} {op}" for op, n in sorted(counts.items())) + ")"
-    setup = (f"world {world}, compile {args.compile}, param-gather overlap {'on' if args.overlap else 'off'}, "
+    if job.mesh is not None:
+        collectives += ", fxzero's (the TP layers' own all-reduces not counted)"
+    mesh = "" if job.mesh is None else f" (dp {job.dp} x tp {args.tp})"
+    setup = (f"world {world}{mesh}, compile {args.compile}, param-gather overlap {'on' if args.overlap else 'off'}, "
              f"MXFP8 gather {'on (in the grad buffer)' if args.mxfp8 else 'off'}")
     if len(job.opts) > 1:
         setup += f", {optimizer_names(job.opts)}"
@@ -413,12 +509,12 @@ def main():
     args = parser.parse_args()
     t_start = time.perf_counter()
     rank, world, device = init_distributed()
-    if args.global_batch % (world * args.accum):
-        parser.error(f"--global-batch {args.global_batch} must be divisible by world * accum = {world * args.accum}")
+    check_args(parser, args, world)
     job = build_job(args, rank, world, device)
     n_params = sum(p.numel() for p in job.model.parameters())
     n_buckets = sum(len(opt.buckets) for opt in job.opts.values())
-    job.log(f"fxzero GPT: {n_params:,} params, {n_buckets} buckets, world {world}, {device.type}, "
+    mesh = "" if job.mesh is None else f" (dp {job.dp} x tp {args.tp})"
+    job.log(f"fxzero GPT: {n_params:,} params, {n_buckets} buckets, world {world}{mesh}, {device.type}, "
             f"{len(job.train_data):,} train / {len(job.val_data):,} val bytes")
     if len(job.opts) > 1:
         job.log(" + ".join(f"{opt.optimizer_class.__name__} over {sum(p.numel() for p in opt.params):,} params"

@@ -1,6 +1,7 @@
-"""examples/train_gpt.py --optimizer muon: torch.optim.Muon over the blocks' matrices (whole-param
-ownership) and AdamW over the rest, two DistributedOptimizers over one model, clipped by the whole
-model's norm. Trained through the example's own functions on gloo ranks (a small model, eager)."""
+"""examples/train_gpt.py, trained through the example's own functions on gloo ranks (a small model,
+eager): --optimizer muon (torch.optim.Muon over the blocks' matrices with whole-param ownership and
+AdamW over the rest, two DistributedOptimizers over one model, clipped by the whole model's norm),
+and --tp 2 (a dp x tp mesh, TP blocks, ZeRO-1 over dp) against plain data parallelism."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Shard
 
 from fxzero.testing import run_ranks
 
@@ -84,3 +86,71 @@ def test_muon_resumes_from_the_newest_step_both_optimizers_saved(tmp_path: Path)
         assert torch.equal(again["params"][name], value), name
     want, got = _state_tensors(first), _state_tensors(again)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# ---- --tp ---------------------------------------------------------------------------------------
+TP_STEPS = 6
+EAGER = [*SMALL, "--compile", "none", "--steps", str(TP_STEPS), "--log-every", "1"]
+
+
+def _unpermuted(name: str, value: torch.Tensor, tp: int) -> torch.Tensor:
+    """A param as the plain model holds it: wqkv's rows back from per-TP-rank [q_r; k_r; v_r] groups."""
+    if not name.endswith("wqkv.weight"):
+        return value
+    return value.view(tp, 3, -1, value.shape[1]).transpose(0, 1).reshape(value.shape)
+
+
+def _train_tp(argv: list[str]) -> dict[str, Any]:
+    """train_gpt's loop on this rank; the params as full tensors (a collective with --tp)."""
+    args = train_gpt.build_parser().parse_args(argv)
+    job = train_gpt.build_job(args, dist.get_rank(), dist.get_world_size(), torch.device("cpu"))
+    losses, skipped, _ = train_gpt.train(job)
+    params = {name: _unpermuted(name, (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone(), args.tp)
+              for name, p in job.model.named_parameters()}
+    wqkv = job.model.layers[0].attention.wqkv.weight
+    placements = tuple(wqkv.placements) if isinstance(wqkv, DTensor) else None
+    return {"losses": losses, "skipped": skipped, "params": params, "wqkv": placements, "val": train_gpt.validate(job)}
+
+
+@pytest.mark.slow
+def test_tp2_at_world_4_trains_like_dp2_at_world_2() -> None:
+    """--tp 2 at world 4 (dp 2 x tp 2: each dp rank's 1/2 of the global batch, its TP ranks on the
+    same slice) against plain data parallelism at world 2 on the same global batches: losses
+    within 1e-4 on every step, validation loss and every param (wqkv's rows put back in the
+    plain order) within 1e-4; the TP ranks agree bitwise."""
+    tp = run_ranks(4, _train_tp, [*EAGER, "--tp", "2"], timeout=300)
+    dp = run_ranks(2, _train_tp, EAGER, timeout=300)[0]
+    assert tp[0]["wqkv"] == (Shard(0),) and dp["wqkv"] is None  # the blocks really are tensor-parallel
+    assert len(dp["losses"]) == TP_STEPS and dp["losses"][-1] < dp["losses"][0] - 0.5, dp["losses"]
+    for rank, run in enumerate(tp):
+        assert run["skipped"] == 0 and run["losses"] == tp[0]["losses"], (rank, run["losses"])
+        torch.testing.assert_close(run["losses"], dp["losses"], atol=1e-4, rtol=0)
+        assert abs(run["val"] - dp["val"]) <= 1e-4, (run["val"], dp["val"])
+        assert run["params"].keys() == dp["params"].keys()
+        for name, value in dp["params"].items():
+            torch.testing.assert_close(run["params"][name], value, atol=1e-4, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--tp", "3"], "--tp 3 must divide the world size 4"),
+    (["--tp", "2"], "--tp 2 needs --compile none (got --compile inductor)"),
+    (["--tp", "2", "--compile", "none", "--ckpt-dir", "x"], "--ckpt-dir is not supported with --tp 2 yet"),
+    (["--tp", "2", "--compile", "none", "--optimizer", "muon"], "--optimizer muon is not supported with --tp 2 yet"),
+    (["--tp", "2", "--compile", "none", "--mxfp8"], "--mxfp8 is not supported with --tp 2 yet"),
+    (["--tp", "2", "--compile", "none", "--overlap"], "--overlap is not supported with --tp 2 yet"),
+    (["--tp", "2", "--compile", "none", "--accum", "2"], "--accum is not supported with --tp 2 yet"),
+    (["--tp", "4", "--compile", "none", "--heads", "2"], "--tp 4 must divide --heads 2"),
+    (["--tp", "2", "--compile", "none", "--global-batch", "3"], "divisible by dp * accum (dp = world / tp = 2) = 2"),
+])  # fmt: skip
+def test_tp_refusals_name_the_flag(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    parser = train_gpt.build_parser()
+    with pytest.raises(SystemExit):
+        train_gpt.check_args(parser, parser.parse_args(flags), world=4)
+    assert message in capsys.readouterr().err
+
+
+def test_default_and_tp_runs_pass_the_checks(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = train_gpt.build_parser()
+    for flags, world in (([], 2), (["--tp", "2", "--compile", "none"], 4), (["--tp", "1", "--mxfp8"], 2)):
+        train_gpt.check_args(parser, parser.parse_args(flags), world=world)  # no SystemExit
+    assert capsys.readouterr().err == ""
