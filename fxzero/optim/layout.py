@@ -170,6 +170,16 @@ class _Planner:
         return end
 
 
+def check_plan_args(planner: str, dp_size: int, bucket_size: Optional[int], shard_multiple: int) -> None:
+    """The checks both planners (elementwise and whole-param) make, naming the planner."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"{planner}: dp_size must be an int >= 1, got {dp_size!r}")
+    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0):
+        raise ValueError(f"{planner}: bucket_size must be an int > 0 or None, got {bucket_size!r}")
+    if isinstance(shard_multiple, bool) or not isinstance(shard_multiple, int) or shard_multiple < 1:
+        raise ValueError(f"{planner}: shard_multiple must be an int >= 1, got {shard_multiple!r}")
+
+
 def plan_buckets(
     params: Sequence[torch.Tensor],
     *,
@@ -187,12 +197,7 @@ def plan_buckets(
     and every param starts on a block. ``grad_dtype`` is the grad buffer's dtype (``None``:
     the param's); param starts are aligned for both buffers (:func:`param_start_alignment`).
     """
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"plan_buckets: dp_size must be an int >= 1, got {dp_size!r}")
-    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0):
-        raise ValueError(f"plan_buckets: bucket_size must be an int > 0 or None, got {bucket_size!r}")
-    if isinstance(shard_multiple, bool) or not isinstance(shard_multiple, int) or shard_multiple < 1:
-        raise ValueError(f"plan_buckets: shard_multiple must be an int >= 1, got {shard_multiple!r}")
+    check_plan_args("plan_buckets", dp_size, bucket_size, shard_multiple)
     planner = _Planner(len(params), bucket_divisor(dp_size, pad_for_high_busbw, shard_multiple))
     position = 0
     for index in reversed(range(len(params))):

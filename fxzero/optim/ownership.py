@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .layout import PARAM_START_ALIGN, BucketPlan, BufferPlan, bucket_divisor, param_start_alignment
+from .layout import PARAM_START_ALIGN, BucketPlan, BufferPlan, bucket_divisor, check_plan_args, param_start_alignment
 
 __all__ = ["REGION_SPREAD", "Balance", "balance", "plan_owned_buckets"]
 
@@ -99,10 +99,7 @@ def plan_owned_buckets(
     The arguments mean what they mean for :func:`~fxzero.optim.layout.plan_buckets`, and every
     guarantee of that layout holds (equal shards of each bucket, aligned param starts, a
     ``shared_embedding`` param in a bucket of its own, meta tensors accepted)."""
-    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
-        raise ValueError(f"plan_owned_buckets: dp_size must be an int >= 1, got {dp_size!r}")
-    if bucket_size is not None and (isinstance(bucket_size, bool) or not isinstance(bucket_size, int) or bucket_size <= 0):
-        raise ValueError(f"plan_owned_buckets: bucket_size must be an int > 0 or None, got {bucket_size!r}")
+    check_plan_args("plan_owned_buckets", dp_size, bucket_size, shard_multiple)
     divisor = bucket_divisor(dp_size, pad_for_high_busbw, shard_multiple)
     unit = math.lcm(divisor // dp_size, PARAM_START_ALIGN, shard_multiple)  # a shard's size is a multiple of it
     numels = [p.numel() for p in params]
