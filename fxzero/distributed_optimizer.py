@@ -60,7 +60,7 @@ from .optim.grad_views import GradViews, grad_scaler_state
 from .optim.initial_broadcast import broadcast_initial_state
 from .optim.layout_agreement import check_ranks_agree, describe_layout
 from .optim.ledger import Ledger
-from .optim.mesh import check_mesh_params
+from .optim.mesh import check_mesh_params, local_of
 from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .optim.ownership import Balance, balance
 from .optim.param_table import ParamTable, param_names
@@ -94,8 +94,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     last-layer params in one bucket and leave no reduce-scatter to overlap backward.
 
     ``process_group`` is the data-parallel group, or a 1-D ``DeviceMesh`` (``mesh["dp"]``);
-    DTensor params placed over the mesh's other dims (tensor parallelism) train in eager mode,
-    their local tensors in the buffers, the gradient norm taken over the whole mesh
+    DTensor params placed over the mesh's other dims (tensor parallelism) train eagerly or
+    compiled (``backend="fxzero"``), their local tensors in the buffers, the gradient norm taken over the whole mesh
     (:mod:`fxzero.optim.mesh`).
     """
 
@@ -194,8 +194,11 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         )
         self.binding = GraphBinding(table, self.ledger, self.grad_sync, self.param_sync)
         """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
-        for param in self.params:
+        for slot, param in enumerate(self.params):
             param._fxzero_owner = OwnerRef(self)
+            if slot in self.mesh_params.dtensor_slots:  # compiled graphs see its local tensor
+                local = local_of(param)
+                local._fxzero_owner, local._fxzero_slot = OwnerRef(self), slot
         # runs when the optimizer is collected and at interpreter exit: no collective dies mid-flight
         weakref.finalize(self, _settle_in_flight, self.reductions, self.param_sync)
         self.grad_sync.install_hooks()

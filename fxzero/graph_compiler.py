@@ -61,7 +61,21 @@ class GraphCompiler:
         inductor: Optional[compat.InductorCompilers],
         dumper: Optional[dump.GraphDumper],
     ) -> None:
-        self.num_inputs, self.managed, self.owners = len(example_inputs), managed, owners
+        flat, self.num_inputs = compat.flat_input_positions(example_inputs)
+        self.owners = owners
+        self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed]
+        """Managed params by AOTAutograd's flattened input position (what fxzero's passes
+        index: a DTensor param is its local tensor there): each gets its gather wait."""
+        # A DTensor param's gradient keeps autograd's path (the eager post-accumulate hook
+        # takes it, in its own placement): AOTAutograd rebuilds each gradient of a DTensor
+        # input as a DTensor from the backward's outputs, and the hand-off's None there fails
+        # in DTensor.__tensor_unflatten__.
+        handed = [m for m in managed if not compat.is_dtensor(example_inputs[m.position])]
+        self.handed = [dataclasses.replace(m, position=flat[m.position]) for m in handed]
+        """Those whose gradients the backward hands to fxzero (flattened positions)."""
+        self.dynamo_handed = handed
+        """The same by Dynamo input position (what the compiled Dynamo graph is called with)."""
+        self._to_dynamo = {flat[m.position]: m.position for m in handed}
         self.inductor, self.dumper = inductor, dumper
         self.id = next(_graph_ids)
         self.delivered: frozenset[int] = frozenset()
@@ -97,9 +111,9 @@ class GraphCompiler:
         # graph whose primals are our inputs gets the launches.
         primals = joint_inputs[0] if isinstance(joint_inputs, tuple) and len(joint_inputs) == 2 else ()
         if len(primals) == self.num_inputs:
-            passes = functools.partial(run_joint_passes, managed=self.managed, num_fwd_outputs=kwargs["num_fwd_outputs"])
+            passes = functools.partial(run_joint_passes, managed=self.handed, num_fwd_outputs=kwargs["num_fwd_outputs"])
             joint = self._run("joint", joint, joint_inputs, passes)
-            self.delivered = _delivered_positions(joint)
+            self.delivered = frozenset(self._to_dynamo[p] for p in _delivered_positions(joint))
         inner = compat.inductor_partition if self.inductor is not None else default_partition
         return inner(joint, joint_inputs, **kwargs)
 
@@ -118,9 +132,9 @@ class GraphCompiler:
     def counting(self, compiled: Callable) -> Callable:
         """The compiled Dynamo graph, telling each owner after every run which gradients
         the backward from its outputs will deliver."""
-        if not self.managed:
+        if not self.handed:
             return compiled
-        groups = [tuple(m.position for m in self.managed if m.owner == o) for o in range(self.owners)]
+        groups = [tuple(m.position for m in self.dynamo_handed if m.owner == o) for o in range(self.owners)]
         return counting_forward(self.id, groups, lambda: self.delivered, compiled)
 
     # ---- internals ---------------------------------------------------------------------

@@ -40,9 +40,12 @@ Importing this module defines the ops (``fxzero/__init__.py`` does it).
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
-from ._torch_compat import register_ordered_effect
+import torch
+import torch.distributed as dist
+
+from ._torch_compat import dtensor_local, register_ordered_effect
 from .optim.binding import binding_of, owner_of
 
 __all__ = ["grads_ready", "module_entered", "wait_params"]
@@ -88,3 +91,22 @@ torch.library.register_fake("fxzero::module_entered", _wait_params_fake, lib=_li
 torch.fx.node.has_side_effect(torch.ops.fxzero.module_entered.default)
 torch.library.register_fake("fxzero::grads_ready", _grads_ready_fake, lib=_lib)
 register_ordered_effect(torch.ops.fxzero.grads_ready.default, _lib)
+
+
+def _on_local_tensors(cls: Any, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+    """A DTensor param reaching an fxzero op (the module-entry marker, traced by Dynamo from
+    the forward pre-hook) stands for its local tensor: what fxzero's buffers hold and what
+    AOTAutograd's flattened graphs take as the param (:mod:`fxzero.optim.mesh`)."""
+    unwrapped = [[_local(t) for t in a] if isinstance(a, (list, tuple)) else _local(a) for a in args]
+    return func(*unwrapped, **(kwargs or {}))
+
+
+def _local(value: Any) -> Any:
+    return dtensor_local(value) if isinstance(value, DTensor) else value
+
+
+if dist.is_available():
+    from torch.distributed.tensor import DTensor
+
+    for _name in ("wait_params", "grads_ready", "module_entered"):
+        torch.library.register_torch_dispatch(f"fxzero::{_name}", DTensor, _on_local_tensors, lib=_lib)

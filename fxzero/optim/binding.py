@@ -208,8 +208,9 @@ class GraphBinding:
             slots = [self._slot(params[i]) for i in indices]
             consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
             span = slice(slots[0], slots[0] + len(slots)) if consecutive else None
-            main_grads = [params[i].main_grad for i in indices]
-            nodes = tuple(grad_accumulator(params[i]) for i in indices)
+            owners = [self.table.params[slot] for slot in slots]  # a DTensor's, for its local tensor
+            main_grads = [param.main_grad for param in owners]
+            nodes = tuple(grad_accumulator(param) for param in owners)
             labels = tuple(self.table.label(slot) for slot in slots)
             groups.append(_Group(bucket, None if whole else tuple(indices), main_grads, torch.tensor(slots), span, nodes, labels))
         return tuple(groups)

@@ -4,8 +4,10 @@ dimensions (tensor parallelism) left to the model.
 A model parallelized with ``torch.distributed.tensor.parallel.parallelize_module`` holds
 DTensor params: on each rank a *local tensor* (its slice of a ``Shard``-ed param, or the
 whole of a ``Replicate``-d one) plus where it sits on the mesh. fxzero treats the local
-tensor as the param: its flat buffers hold it (the DTensor's local tensor becomes a view of
-``param_data``, as FSDP2 makes it a view of its own sharded storage), the eager hooks add
+tensor as the param: its flat buffers hold it (the DTensor's local tensor becomes an alias of
+its range of ``param_data``, as FSDP2 makes it a view of its own sharded storage; not a view
+object, and the DTensor rebuilt around it when its offset changes: see
+``_torch_compat.set_dtensor_local`` and :func:`_alias` for what ``torch.compile`` needs), the eager hooks add
 the local tensor of its gradient into ``main_grad``, and the reduce-scatters, the wrapped
 optimizer (on fragments of local tensors: exact for elementwise optimizers) and the
 all-gathers run over the data-parallel group only. The model keeps computing on DTensors.
@@ -45,7 +47,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 from .._torch_compat import dtensor_local, set_dtensor_local
 from .comm import DataParallelGroup
 
-__all__ = ["MeshNorms", "MeshParams", "check_mesh_params", "local_of", "planned", "rebind", "refuse_compiled_dtensors"]
+__all__ = ["MeshNorms", "MeshParams", "check_mesh_params", "local_of", "planned", "rebind"]
 
 
 def local_of(param: torch.Tensor) -> torch.Tensor:
@@ -68,9 +70,21 @@ def planned(param: torch.Tensor) -> torch.Tensor:
 def rebind(param: torch.Tensor, view: torch.Tensor) -> None:
     """Make ``param`` (its local tensor, for a DTensor) the buffer ``view``, same Parameter object."""
     if isinstance(param, DTensor):
-        set_dtensor_local(param, view)
+        set_dtensor_local(param, _alias(view))
     else:
         param.data = view
+
+
+def _alias(view: torch.Tensor) -> torch.Tensor:
+    """The memory of ``view`` as a tensor that is not a view (no ``_base``), as ``param.data =
+    view`` leaves a plain param. A compiled graph's params reach its backward through the
+    tensors AOTAutograd saves, and it saves a *view* detached (a new object each step), where
+    fxzero finds the param by identity; a non-view input is saved as itself."""
+    if view._base is None:
+        return view
+    with torch.no_grad():
+        alias = torch.empty(0, dtype=view.dtype, device=view.device)
+        return alias.set_(view.untyped_storage(), view.storage_offset(), view.shape, view.stride())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,15 +222,3 @@ def _param_dims(
             )
         found.append((ModelDim(group, ranks, mesh.get_local_rank(d), names[d]), placement))
     return found
-
-
-def refuse_compiled_dtensors(name: str) -> None:
-    """DTensor params train eagerly only, for now: ``torch.compile`` of a model whose DTensor
-    params fxzero manages is refused, clearly. (Dynamo itself fails on such a param, with an
-    internal error about storages on "meta", even under ``backend="eager"``: it cannot fake a
-    DTensor whose local tensor is a view into the middle of a larger buffer.)"""
-    raise NotImplementedError(
-        f"fxzero: torch.compile of a model with DTensor params managed by a DistributedOptimizer (e.g. param {name!r}) is not "
-        "supported yet: fxzero trains tensor-parallel (DTensor) models in eager mode only. Run the model without "
-        "torch.compile; the optimizer's eager hooks handle its gradients."
-    )

@@ -40,11 +40,9 @@ from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from .._torch_compat import profiler_enabled
 from .buffers import Bucket
-from .mesh import refuse_compiled_dtensors
 from .comm import DataParallelGroup
 from .param_table import ParamTable
 
@@ -263,12 +261,8 @@ class _WaitBeforeForward(_SyncHook):
     between them and one compiled graph serves them all (a hook per module carrying its
     bucket indices made Dynamo recompile every block)."""
 
-    def __init__(
-        self, sync: ParamSync, modules: Sequence[tuple[torch.nn.Module, tuple[int, ...]]], dtensor_model: Optional[str] = None
-    ) -> None:
+    def __init__(self, sync: ParamSync, modules: Sequence[tuple[torch.nn.Module, tuple[int, ...]]]) -> None:
         self.sync = sync
-        self.dtensor_model = dtensor_model
-        """A managed DTensor param's name when the model holds some: compiling it is refused (:mod:`~fxzero.optim.mesh`)."""
         self.buckets_of_module = {id(m): (weakref.ref(m), buckets) for m, buckets in modules}
         """``id(module) -> (weakref to it, its buckets)``: the weakref confirms the whole
         identity (an id alone could be a later object's, once the module is gone)."""
@@ -278,8 +272,6 @@ class _WaitBeforeForward(_SyncHook):
         # marker puts a wait at the module's entry, for a forward that graph-breaks and runs
         # its rest eagerly (no pre-hook runs for that rest). See fxzero.ops.
         if torch.compiler.is_compiling():
-            if self.dtensor_model is not None:  # before any param is read: Dynamo fails on reading them
-                _refuse_compiled(self.dtensor_model)
             torch.ops.fxzero.module_entered([p for p in module._parameters.values() if p is not None])
             return
         ref, buckets = self.buckets_of_module.get(id(module), (None, ()))
@@ -289,13 +281,6 @@ class _WaitBeforeForward(_SyncHook):
                 "DistributedOptimizer that does not manage its params (a copy of a managed module?)"
             )
         self.sync.wait_many(buckets)
-
-
-@torch.compiler.disable
-def _refuse_compiled(name: str) -> None:
-    """Not traced: Dynamo breaks the graph here and runs it, so the error reaches the caller
-    as raised (raised in traced code, Dynamo only gave up on that frame and went on tracing)."""
-    refuse_compiled_dtensors(name)
 
 
 def install_param_waits(module: torch.nn.Module, table: ParamTable, sync: ParamSync) -> list[Any]:
@@ -308,8 +293,7 @@ def install_param_waits(module: torch.nn.Module, table: ParamTable, sync: ParamS
         owned = {table.bucket_of_slot[s] for s in slots if s is not None}
         if owned:
             owners[id(sub)] = (sub, tuple(sorted(owned, reverse=True)))
-    dtensors = [table.label(s) for s in range(len(table.params)) if isinstance(table.params[s], DTensor)]
-    hook = _WaitBeforeForward(sync, list(owners.values()), dtensors[0] if dtensors else None)
+    hook = _WaitBeforeForward(sync, list(owners.values()))
     handles = [sub.register_forward_pre_hook(hook) for sub, _ in owners.values()]
     handles.append(module.register_state_dict_pre_hook(_FinishFirst(sync)))
     handles.append(module.register_load_state_dict_pre_hook(_FinishFirst(sync)))

@@ -77,9 +77,13 @@ class ParamTable:
         return len(self.rows)
 
     def find(self, value: Any) -> Optional[int]:
-        """``value``'s slot if it is one of the table's params (the object itself), else ``None``."""
+        """``value``'s slot if it is one of the table's params (the object itself), or the local
+        tensor of a DTensor param (what compiled graphs see of it: :mod:`~fxzero.optim.mesh`), else ``None``."""
         slot = self._slot_of.get(id(value))
-        return slot if slot is not None and self.params[slot] is value else None
+        if slot is not None and self.params[slot] is value:
+            return slot
+        slot = getattr(value, "_fxzero_slot", None)
+        return slot if slot is not None and slot < len(self.params) and getattr(self.params[slot], "_local_tensor", None) is value else None
 
     def slots(self, params: Iterable[Any]) -> list[int]:
         """The slots of ``params``, all of which must be in the table."""

@@ -56,7 +56,7 @@ class ParamWatch:
         self._dtensor_params = tuple(self.params[i] for i in self._dtensors)
         self._local_pointers = [local_of(self.params[i]).data_ptr() for i in self._dtensors]
         self._pointers = [p.data_ptr() for p in self.params]
-        self._views = [local_of(p).data for p in self.params]
+        self._views = [local_of(p) if isinstance(p, DTensor) else p.data for p in self.params]
         """Each param's view of the flat buffer, to point a param back at after a no-op move."""
         self._compiled = compiled
         self._separate = [s for s in shards if not s.main_is_param]
