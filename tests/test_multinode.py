@@ -1,0 +1,30 @@
+"""Two torchrun agents ("nodes") on this machine: the main job at world 4 over c10d rendezvous,
+a lost node (its agent and workers SIGKILLed together), the survivors' bounded failure, and the
+resume with a replacement node (benchmarks/multinode_drill.py, which the README shows)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+_REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_a_lost_node_fails_its_peers_fast_and_a_replacement_node_resumes_to_the_same_end() -> None:
+    """~40 s: two 2-node jobs at once, eager (uncompiled) so the drill's subject (rendezvous,
+    loss, restart, resume) is not buried under four cold Inductor compiles."""
+    proc = subprocess.run(
+        [sys.executable, str(_REPO / "benchmarks" / "multinode_drill.py"), "--compile", "none",
+         "--steps", "8", "--ckpt-every", "3", "--lose-at", "5", "--timeout", "240"],
+        capture_output=True, text=True, timeout=400, cwd=_REPO,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0 and out.rstrip().endswith("PASS"), out + proc.stderr[-3000:]
+    assert "resumed from step 3" in out and "losses of steps 1..8 equal as printed: True" in out
+    seconds = float(re.search(r"node 0 raised CollectiveError after ([\d.]+) s", out).group(1))
+    assert seconds < 10, out  # the next collective fails at once; no rank waits for the process-group timeout
