@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 examples/train_gpt.py    # 2 ranks (gloo on CPU, NCCL on GPU)
     python examples/train_gpt.py --steps 20 --compile none   # 1 rank, eager, no process group
     torchrun --nproc-per-node 2 examples/train_gpt.py --optimizer muon   # Muon on the blocks' matrices
-    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2 --compile none   # dp 2 x tp 2, eager
+    torchrun --nproc-per-node 4 examples/train_gpt.py --tp 2   # dp 2 x tp 2
 
 With --optimizer muon, two DistributedOptimizers share the model: torch.optim.Muon over the
 attention and MLP matrices (each owned whole by one rank: Muon orthogonalizes a matrix's whole
@@ -11,7 +11,7 @@ update) and AdamW over the embeddings (tied to the head), the norms and their bi
 
 With --tp N, the ranks form a (dp = world / N) x (tp = N) DeviceMesh: each block's attention
 and MLP are tensor-parallel (DTensor params, Megatron's column/row split) over "tp", and
-fxzero's ZeRO-1 runs over "dp". Eager only for now (--compile none), without checkpoints.
+fxzero's ZeRO-1 runs over "dp", compiled or not, with every flag but --optimizer muon.
 
 Data: the Python standard library's own .py files (about 2 MB, read in sorted order),
 or --data FILE; one token per byte. Each step draws a global batch of --global-batch
@@ -210,16 +210,12 @@ def build_parser():
     p.add_argument("--ckpt-dir", default=None, help="resume from the latest checkpoint here; save into it")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
     p.add_argument("--tp", type=int, default=1,
-                   help="tensor-parallel degree: a (world / tp) x tp mesh, ZeRO-1 over dp (needs --compile none)")
+                   help="tensor-parallel degree: a (world / tp) x tp mesh, ZeRO-1 over dp")
     return p
 
 
-TP_UNSUPPORTED = {  # flag -> why it is refused with --tp > 1 (for now)
-    "--ckpt-dir": "fxzero's checkpoints refuse DTensor params for now",
+TP_UNSUPPORTED = {  # flag -> why it is refused with --tp > 1
     "--optimizer muon": "Muon owns each matrix whole, and TP shards the blocks' matrices",
-    "--mxfp8": "the MXFP8 gather is not tested with DTensor params yet",
-    "--overlap": "overlap_param_gather is not tested with DTensor params yet",
-    "--accum": "gradient accumulation (no_sync) is not tested with DTensor params yet",
 }
 
 
@@ -229,13 +225,9 @@ def check_args(parser, args, world):
     if tp < 1 or world % tp:
         parser.error(f"--tp {tp} must divide the world size {world}")
     if tp > 1:
-        if args.compile != "none":
-            parser.error(f"--tp {tp} needs --compile none (got --compile {args.compile}): fxzero does not "
-                         "torch.compile tensor-parallel (DTensor) models yet")
         if args.heads % tp:
             parser.error(f"--tp {tp} must divide --heads {args.heads} (each TP rank computes whole heads)")
-        used = {"--ckpt-dir": args.ckpt_dir is not None, "--optimizer muon": args.optimizer == "muon",
-                "--mxfp8": args.mxfp8, "--overlap": args.overlap, "--accum": args.accum > 1}
+        used = {"--optimizer muon": args.optimizer == "muon"}
         for flag, why in TP_UNSUPPORTED.items():
             if used[flag]:
                 parser.error(f"{flag} is not supported with --tp {tp} yet: {why}")

@@ -31,6 +31,7 @@ __all__ = [
     "dtensor_local",
     "dynamo_input_names",
     "engine_accumulates_all",
+    "group_ranks_by_name",
     "flat_input_positions",
     "is_dtensor",
     "foreach_add_",
@@ -375,6 +376,20 @@ def process_group_timeout(group: Optional[dist.ProcessGroup], device: torch.devi
         return float(pg._get_backend(device).options._timeout.total_seconds())
     except (AttributeError, RuntimeError):
         return float(dist.default_pg_timeout.total_seconds())
+
+
+def group_ranks_by_name(name: str) -> Optional[list[int]]:
+    """Global ranks of the process group a functional collective in a graph names (its
+    ``group_name`` argument), or None when this process does not know the name.
+
+    What for: ``fxzero.explain`` says which ranks a model's own collective (tensor parallel's
+    all-gathers, reduce-scatters) runs over. Private: ``torch.distributed.distributed_c10d.
+    _resolve_process_group`` is how functional collectives themselves find their group."""
+    try:
+        group = dist.distributed_c10d._resolve_process_group(name)
+    except (RuntimeError, ValueError, KeyError):
+        return None
+    return list(dist.get_process_group_ranks(group))
 
 
 def process_group_store(group: Optional[dist.ProcessGroup]) -> dist.Store:

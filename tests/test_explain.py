@@ -91,6 +91,9 @@ schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reve
 bucket 0: reduce-scatter launches in graph 0 backward at node 17/28 (61%); all-gather waited in graph 0 forward at node 10/14 (71%)
 bucket 1: reduce-scatter launches in graph 0 backward at node 26/28 (93%); all-gather waited in graph 0 forward at node 5/14 (36%)
 buckets spanning several graphs: none
+
+collectives: fxzero's per step, as c10d counts them: none (data-parallel size 1); data-parallel group: ranks [0]
+the model's own in its graphs: none
 """)
         _assert_untouched(model, opt, before)
 
@@ -155,6 +158,9 @@ def forward(self, primals_1, fc2.weight, fc2.bias, t, tangents_1):
 schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)
 bucket 0: reduce-scatter launches in graph 0 backward at node 13/15 (87%), graph 1 backward at node 13/15 (87%) (at the last of these to run); all-gather waited in graph 0 forward at node 3/9 (33%), graph 1 forward at node 3/7 (43%) (by the first to run)
 buckets spanning several graphs: 0 (graphs 0, 1)
+
+collectives: fxzero's per step, as c10d counts them: none (data-parallel size 1); data-parallel group: ranks [0]
+the model's own in its graphs: none
 """)
         _assert_untouched(model, opt, before)
 

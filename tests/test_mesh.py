@@ -471,3 +471,29 @@ def test_state_dict_resumes_and_param_shaped_state_is_refused() -> None:
     for what in ("consolidated", "plain", "dcp"):
         assert "with DTensor params (e.g. '0.weight') is not supported yet" in result["messages"].get(what, ""), result
         assert "fxzero.save_checkpoint / load_checkpoint" in result["messages"][what]
+
+
+def _explain_dp2_tp2() -> str:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = TinyLlama(Args())
+    parallelize(model, mesh["tp"])
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, process_group=mesh["dp"], module=model)
+    return fxzero.explain(model, _tokens(0)[:2, :-1], optimizer=opt)
+
+
+@pytest.mark.slow
+def test_explain_shows_fxzeros_and_the_models_collectives_with_their_ranks() -> None:
+    """At dp 2 x tp 2 explain counts buffer elements as the local tensors (no negative
+    padding), names fxzero's collectives with the data-parallel ranks, and lists and marks the
+    model's own tensor-parallel collectives in its graphs with the TP ranks."""
+    texts = run_ranks(4, _explain_dp2_tp2, timeout=300)
+    dp_ranks, tp_ranks = ([0, 2], [1, 3]), ([0, 1], [2, 3])
+    for rank, text in enumerate(texts):
+        head = text.splitlines()[0]
+        assert "12,449 param elements in 12,672 buffer elements (1.8% padding" in head, head
+        assert f"1 x alltoall, 2 x broadcast; data-parallel group: ranks {list(dp_ranks[rank % 2])}" in text, text[-800:]
+        tp = f"(ranks {list(tp_ranks[rank // 2])})"
+        assert "the model's own in graph 0 forward: 6 x all_gather_into_tensor over group" in text and tp in text, text[-800:]
+        assert "the model's own in graph 0 backward: 5 x all_gather_into_tensor" in text, text[-800:]
+        assert "# <- the model's own reduce_scatter_tensor over group" in text

@@ -13,7 +13,9 @@ one compile: nothing registered process-wide), then zeroes the grads so training
 is unchanged. It compiles through a wrapper function of its own and never resets Dynamo:
 the compiled graphs of the user's process survive an explain. It returns a bucket table, every graph's code
 with fxzero's inserted nodes marked and named by bucket and params named by module
-path, and a per-bucket schedule (:mod:`fxzero.explainer.format` renders them).
+path, a per-bucket schedule, and every collective of a step: fxzero's over the data-parallel
+group and the model's own in its graphs (tensor parallel's), with the ranks of each group
+(:mod:`fxzero.explainer.format` renders them).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.fx as fx
 
 from . import format as _format
 from ..dump import GraphDumper, InsertedNode, inserted_nodes
+from ..optim.mesh import local_of
 
 __all__ = ["explain"]
 
@@ -122,9 +125,12 @@ def _run_once(model: torch.nn.Module, inputs: Sequence[Any], optimizer: Any, opt
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id`` -> module path of every param, and of each DTensor param's local tensor too
+    (what a compiled graph's inputs and fxzero's buffers hold of it)."""
     names: dict[int, str] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(param), name)
+        names.setdefault(id(local_of(param)), name)
     return names
 
 

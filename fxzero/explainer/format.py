@@ -13,7 +13,11 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, Any
 
+import torch.distributed
 from tabulate import tabulate
+
+from .._torch_compat import group_ranks_by_name
+from ..optim.mesh import local_of
 
 if TYPE_CHECKING:
     from ..dump import InsertedNode
@@ -28,6 +32,10 @@ _HEADERS = (
 )  # fmt: skip
 _FREES = re.compile(r";  (?:\w+ = )+None$")
 _SUBGRAPH_FETCH = re.compile(r"^\s*(\w+) = self\.\1$")
+_MODEL_COLLECTIVE = re.compile(r"= torch\.ops\._c10d_functional\.(\w+)\.default\(.*'([^']+)'\)")
+"""A functional collective the model's code put in the graph (DTensor's tensor-parallel
+redistributions): op name and the group name, its last argument. Its ``wait_tensor`` is no
+collective of its own."""
 
 
 def render(explained: "Explained") -> str:
@@ -36,6 +44,7 @@ def render(explained: "Explained") -> str:
         *(_graph_text(i, g, explained) for i, g in enumerate(explained.graphs)),
         "schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)\n"
         + _schedule(explained),
+        _collectives(explained),
     ]
     return "\n\n".join(sections) + "\n"
 
@@ -51,8 +60,9 @@ def _graphs_of_bucket(explained: "Explained", bucket: int) -> str:
 
 
 def _numel(bucket: Any) -> int:
-    """Param elements only: the param start alignment counts as padding."""
-    return sum(p.numel() for p in bucket.params)
+    """Param elements only (a DTensor param's local ones: what the buffer holds); the param
+    start alignment counts as padding."""
+    return sum(local_of(p).numel() for p in bucket.params)
 
 
 def _gather_bytes(bucket: Any, optimizer: Any) -> Any:
@@ -100,7 +110,7 @@ def _ownership_section(optimizer: Any) -> str:
     if balance is None:
         return ""
     rows = sorted(
-        ([row.owner, row.label, row.bucket, row.param.numel()] for row in optimizer.param_table.rows),
+        ([row.owner, row.label, row.bucket, local_of(row.param).numel()] for row in optimizer.param_table.rows),
         key=lambda r: (r[0], r[2]),
     )
     return "\n\n" + balance.describe() + "\n" + tabulate(rows, headers=["rank", "param", "bucket", "elements"], tablefmt="github")
@@ -160,6 +170,8 @@ def _marked_code(graph: "Graph", part: "Recorded", explained: "Explained") -> li
             line = pattern.sub(lambda m: renames[m.group(1)], line)
         if node is not None:
             line += _mark(node, explained.bucket_of(graph, node), early)
+        elif (found := _MODEL_COLLECTIVE.search(stripped)) is not None:
+            line += f"  # <- the model's own {found.group(1)} over {_group(found.group(2))}"
         out.append(line)
     return out
 
@@ -215,3 +227,40 @@ def _spanning(explained: "Explained") -> str:
             seen.setdefault(bucket, []).append(number)
     spanning = [f"{b} (graphs {', '.join(map(str, g))})" for b, g in sorted(seen.items()) if len(g) > 1]
     return f"buckets spanning several graphs: {'; '.join(spanning) if spanning else 'none'}"
+
+
+# ---- every collective -----------------------------------------------------------------
+def _group(name: str) -> str:
+    ranks = group_ranks_by_name(name)
+    return f"group {name} (ranks {ranks})" if ranks is not None else f"group {name}"
+
+
+def _model_collectives(part: "Recorded") -> dict[tuple[str, str], int]:
+    counts: dict[tuple[str, str], int] = {}
+    for line in part.code.splitlines():
+        found = _MODEL_COLLECTIVE.search(line.strip())
+        if found is not None:
+            counts[found.groups()] = counts.get(found.groups(), 0) + 1
+    return counts
+
+
+def _collectives(explained: "Explained") -> str:
+    """Both kinds a step runs: fxzero's (one reduction and one gather per bucket, over the
+    data-parallel group) and the model's own inside its graphs (tensor parallel's, over the
+    other mesh dims), so a reader sees which group each runs on."""
+    opt = explained.optimizer
+    dp = opt.dp
+    ranks = list(torch.distributed.get_process_group_ranks(dp.group)) if dp.group is not None else [0]
+    counts = opt.collectives_per_step
+    ours = ", ".join(f"{c} x {op}" for op, c in sorted(counts.items())) or "none (data-parallel size 1)"
+    mesh = " (the grad norm's all-reduce runs once more over each other mesh dim)" if opt.reduced.mesh_norms is not None else ""
+    lines = [f"collectives: fxzero's per step, as c10d counts them: {ours}; data-parallel group: ranks {ranks}{mesh}"]
+    for number, graph in enumerate(explained.graphs):
+        for kind, part in graph.parts.items():
+            counts = _model_collectives(part)
+            if counts:
+                listed = ", ".join(f"{c} x {op} over {_group(name)}" for (op, name), c in sorted(counts.items()))
+                lines.append(f"the model's own in graph {number} {kind}: {listed}")
+    if len(lines) == 1:
+        lines.append("the model's own in its graphs: none")
+    return "\n".join(lines)
