@@ -1,19 +1,22 @@
-"""fxzero + TP vs FSDP2 + TP on the same (dp 2 x tp 2) DeviceMesh, eager, in one run.
+"""fxzero + TP vs FSDP2 + TP on the same (dp 2 x tp 2) DeviceMesh, in one run.
 
-    python benchmarks/tp.py [--steps 30] [--warmup 3]
+    python benchmarks/tp.py [--steps 30] [--warmup 3] [--compile]
 
 Both configs train the GPT of ``examples/train_gpt.py`` (3.25M params, dim 256, 4 layers,
 4 heads, tied embedding/head; seq 128, 8 sequences per dp rank, the same stdlib-bytes batches
 and seed), tensor-parallel over ``mesh["tp"]`` with the example's own plan
 (``train_gpt.parallelize``: wqkv and w1 ColwiseParallel, wo and w2 RowwiseParallel; the
 embeddings, head and LayerNorms replicated), with AdamW (lr 2e-3, betas 0.9/0.95, weight
-decay 0.1 on matrices), no clipping, no ``torch.compile`` (fxzero compiles no TP model yet):
+decay 0.1 on matrices), no clipping; eager, or with ``--compile`` each under Inductor as its users
+compile it:
 
 * **fxzero + TP**: ``fxzero.DistributedOptimizer(..., process_group=mesh["dp"], module=model,
   config=Config(bucket_size=1_000_000))``: ZeRO-1 over dp (reduce-scatter, shard update,
-  all-gather inside ``step()``);
+  all-gather inside ``step()``); compiled: ``torch.compile(model, backend="fxzero")``;
 * **FSDP2 + TP**: ``fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)`` on
-  each block and the root (as ``benchmarks/compare.py``'s FSDP2), ``torch.optim.AdamW``.
+  each block and the root (as ``benchmarks/compare.py``'s FSDP2), ``torch.optim.AdamW``;
+  compiled: each block ``torch.compile``-d after TP and before ``fully_shard``, as torchtitan
+  does (FSDP2's hooks between blocks stay eager).
 
 World 4 (gloo, 1 CPU thread per rank, :mod:`fxzero.testing` pools). Each config first runs
 **alone** in a fresh pool (peak RSS per rank: ``VmHWM`` from just before the model is built,
@@ -64,18 +67,21 @@ def _state_nbytes(opt: torch.optim.Optimizer) -> int:
     return sum(v.nbytes for v in values if isinstance(v, torch.Tensor))
 
 
-def _build(config: str, mesh) -> tuple[torch.nn.Module, torch.optim.Optimizer, object]:
-    """(model, optimizer, () -> optimizer state bytes on this rank), TP over mesh["tp"]."""
+def _build(config: str, mesh, compiled: bool) -> tuple[object, torch.optim.Optimizer, object]:
+    """(what to call, optimizer, () -> optimizer state bytes on this rank), TP over mesh["tp"]."""
     torch.manual_seed(0)
     model = train_gpt.Transformer(train_gpt.ModelArgs())
     train_gpt.parallelize(model, mesh["tp"])
     if config == "fxzero + TP":
         opt = fxzero.DistributedOptimizer(_param_groups(model), torch.optim.AdamW, lr=LR, betas=BETAS, module=model,
                                           process_group=mesh["dp"], config=fxzero.Config(bucket_size=1_000_000))
-        return model, opt, lambda: opt.state_bytes
+        return torch.compile(model, backend="fxzero") if compiled else model, opt, lambda: opt.state_bytes
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.layers:
+    for i, block in enumerate(model.layers):
+        if compiled:
+            block = torch.compile(block)
+            model.layers.register_module(str(i), block)
         fully_shard(block, mesh=mesh["dp"], reshard_after_forward=False)
     fully_shard(model, mesh=mesh["dp"], reshard_after_forward=False)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR, betas=BETAS)
@@ -103,12 +109,12 @@ def _vm_kib(key: str) -> int:
     return int(line.split()[1])
 
 
-def train_alone(config: str, steps: int) -> dict:
+def train_alone(config: str, steps: int, compiled: bool) -> dict:
     """``config`` alone in this pool: peak RSS since just before the build, state bytes, losses."""
     mesh, data, batch = _setup()
     baseline = _vm_kib("VmRSS") / 1024
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    model, opt, state_bytes = _build(config, mesh)
+    model, opt, state_bytes = _build(config, mesh, compiled)
     losses = []
     for step in range(1, steps + 1):
         x, y = train_gpt.get_batch(data, step, batch, mesh["dp"].get_local_rank(), DP, torch.device("cpu"))
@@ -118,11 +124,11 @@ def train_alone(config: str, steps: int) -> dict:
     return {"baseline_mib": baseline, "peak_mib": _vm_kib("VmHWM") / 1024, "state_bytes": state_bytes(), "losses": losses}
 
 
-def train_in_turn(steps: int, warmup: int) -> dict:
+def train_in_turn(steps: int, warmup: int, compiled: bool) -> dict:
     """Both configs in this one pool, one step of each per training step, the order
     alternated every step; each step timed after a barrier. Returns this rank's times (s)."""
     mesh, data, batch = _setup()
-    runs = {config: _build(config, mesh)[:2] for config in CONFIGS}
+    runs = {config: _build(config, mesh, compiled)[:2] for config in CONFIGS}
     times: dict[str, list[float]] = {config: [] for config in CONFIGS}
     losses: dict[str, list[float]] = {config: [] for config in CONFIGS}
     for step in range(1, warmup + steps + 1):
@@ -152,21 +158,23 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="timed steps (in turn); the alone runs train as many")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="both under Inductor (fxzero: backend='fxzero'; FSDP2: per block)")
     args = p.parse_args()
     os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # read by the ranks' glibc at start
     world = DP * TP
     alone = {}
     for config in CONFIGS:
         try:
-            alone[config] = run_ranks(world, train_alone, config, args.warmup + args.steps, timeout=1800)
+            alone[config] = run_ranks(world, train_alone, config, args.warmup + args.steps, args.compile, timeout=1800)
         finally:
             close_pools()
     try:
-        paired = run_ranks(world, train_in_turn, args.steps, args.warmup, timeout=3600)
+        paired = run_ranks(world, train_in_turn, args.steps, args.warmup, args.compile, timeout=3600)
     finally:
         close_pools()
     print(f"# fxzero + TP vs FSDP2 + TP: torch {torch.__version__}, cpu, world {world} (dp {DP} x tp {TP}, gloo, "
-          f"1 thread/rank), GPT 3.25M (dim 256, 4 layers, seq 128, batch {PER_DP_RANK}/dp rank), AdamW, eager; "
+          f"1 thread/rank), GPT 3.25M (dim 256, 4 layers, seq 128, batch {PER_DP_RANK}/dp rank), AdamW, "
+          f"{'compiled (Inductor)' if args.compile else 'eager'}; "
           f"{args.warmup} warm-up + {args.steps} timed steps\n")
     rows, med, ms = [], {}, {}
     for config in CONFIGS:
