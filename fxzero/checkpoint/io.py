@@ -99,6 +99,34 @@ def save_checkpoint(
     on every rank and removes the partial ``.tmp-`` directory.
     """
     _check_args(optimizer, step, extra, arrival_timeout)
+    dp = optimizer.dp
+    if dp.replica_count > 1:
+        return _save_from_instance_0(dp, lambda: _save(ckpt_dir, model, optimizer, step, extra, arrival_timeout))
+    return _save(ckpt_dir, model, optimizer, step, extra, arrival_timeout)
+
+
+def _save_from_instance_0(dp: DataParallelGroup, save: Any) -> Path:
+    """Hierarchical sharding: every instance holds the whole state, so instance 0 alone
+    writes it (the others' files would collide with its own); each rank of another instance
+    waits for its counterpart in instance 0 and returns the committed path, or raises its error."""
+    outcome: list[Any] = [None]
+    if dp.replica_rank == 0:
+        try:
+            outcome = [str(save())]
+        except Exception as err:
+            outcome = [f"failed: {err}"]
+            dist.broadcast_object_list(outcome, group=dp.replicas, group_src=0)
+            raise
+    dist.broadcast_object_list(outcome, group=dp.replicas, group_src=0)
+    if outcome[0].startswith("failed: "):
+        raise CheckpointError(f"save_checkpoint on instance 0 {outcome[0]}")
+    return Path(outcome[0])
+
+
+def _save(
+    ckpt_dir: PathLike, model: torch.nn.Module, optimizer: DistributedOptimizer, step: int,
+    extra: Optional[dict[str, Any]], arrival_timeout: Optional[float],
+) -> Path:  # fmt: skip
     ranks = _ranks(optimizer)
     ranks.handshake(f"save_checkpoint(step={step})", arrival_timeout, optimizer.params[0].device)
     optimizer.finish_param_sync()

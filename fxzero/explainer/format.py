@@ -257,6 +257,10 @@ def _collectives(explained: "Explained") -> str:
     counts = opt.collectives_per_step
     ours = ", ".join(f"{c} x {op}" for op, c in sorted(counts.items())) or "none (data-parallel size 1)"
     mesh = " (the grad norm's all-reduce runs once more over each other mesh dim)" if opt.reduced.mesh_norms is not None else ""
+    if dp.replica_count > 1:  # hierarchical: which all-reduces leave the instance
+        others = list(torch.distributed.get_process_group_ranks(dp.replicas))
+        mesh += (f"; instances: {dp.replica_count}, this rank's shard all-reduced over ranks {others} (one all-reduce "
+                 "per bucket, the only collective leaving the instance)")
     lines = [f"collectives: fxzero's per step, as c10d counts them: {ours}; data-parallel group: ranks {ranks}{mesh}"]
     for number, graph in enumerate(explained.graphs):
         for kind, part in graph.parts.items():

@@ -35,7 +35,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .comm import DataParallelGroup
 from .mesh import local_of
@@ -52,8 +51,8 @@ def broadcast_flat(dp: DataParallelGroup, tensors: Sequence[torch.Tensor]) -> No
     with torch.no_grad():
         for group in by_kind.values():
             flat = torch.cat([t.detach().reshape(-1) for t in group])
-            dist.broadcast(flat, group=dp.group, group_src=0)
-            if dp.rank != 0:
+            dp.broadcast_from_first(flat)
+            if dp.rank != 0 or dp.replica_rank != 0:
                 for tensor, values in zip(group, flat.split([t.numel() for t in group])):
                     tensor.copy_(values.view_as(tensor))
 
@@ -62,7 +61,7 @@ class BufferSync:
     """Broadcasts ``module``'s buffers from rank 0 at every :meth:`broadcast` (see the module docstring)."""
 
     def __init__(self, module: Optional[torch.nn.Module], dp: DataParallelGroup, enabled: bool) -> None:
-        self.module = module if enabled and dp.size > 1 else None
+        self.module = module if enabled and dp.total > 1 else None
         self.dp = dp
 
     def _buffers(self) -> list[torch.Tensor]:
@@ -75,4 +74,4 @@ class BufferSync:
 
     def collectives_per_step(self) -> dict[str, int]:
         kinds = {(b.dtype, b.device) for b in self._buffers()}
-        return {"broadcast": len(kinds)} if kinds else {}
+        return {"broadcast": len(kinds) * ((self.dp.size > 1) + (self.dp.replica_count > 1))} if kinds else {}

@@ -75,16 +75,27 @@ def settle(works: Sequence[Any], timeout: float = 30.0) -> None:
         time.sleep(0.05)
 
 
-def _mesh_group(mesh: DeviceMesh) -> dist.ProcessGroup:
-    """The group of a 1-D mesh; a mesh of more dims is refused, naming the fix."""
+INSTANCE_DIMS = ("replicate", "shard")
+"""Dim names of a 2-D mesh that asks for hierarchical (multi-instance) sharding, as FSDP2's
+HSDP names them: state sharded over "shard" (one instance: a node's fast links), replicated
+over "replicate" (one copy of the optimizer state per instance)."""
+
+
+def _mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+    """(shard group, replica group or None) of a 1-D mesh or a ("replicate", "shard") mesh;
+    any other mesh of more dims is refused, naming the fix."""
+    if mesh.ndim == 2 and tuple(mesh.mesh_dim_names or ()) == INSTANCE_DIMS:
+        return mesh["shard"].get_group(), mesh["replicate"].get_group()
     if mesh.ndim != 1:
         names = mesh.mesh_dim_names or ()
         dp = "dp" if "dp" in names or not names else names[0]
         raise ValueError(
             f"process_group is a {mesh.ndim}-D DeviceMesh (dims {tuple(names)}); fxzero shards over one data-parallel "
-            f"dimension and leaves the others to the DTensor params: pass that dimension, process_group=mesh[{dp!r}]"
+            f"dimension and leaves the others to the DTensor params: pass that dimension, process_group=mesh[{dp!r}] "
+            f"(or a 2-D mesh with dims {INSTANCE_DIMS} for hierarchical sharding: state sharded over 'shard', "
+            "replicated over 'replicate')"
         )
-    return mesh.get_group()
+    return mesh.get_group(), None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +110,30 @@ class DataParallelGroup:
     backend: str = ""
     """The group's backend name (``""`` without a process group): it picks the default bucket
     size and how params are gathered."""
+    replicas: Optional[dist.ProcessGroup] = None
+    """Hierarchical sharding (Megatron-LM's multi-instance distributed optimizer): the ranks
+    holding the same shard in the other instances. After each step's reductions inside the
+    instance (``group``) this rank's shards are all-reduced over it; gathers never leave the
+    instance, and each instance holds a whole copy of the optimizer state. None: one instance."""
+    replica_count: int = 1
+    replica_rank: int = 0
+
+    @property
+    def total(self) -> int:
+        """Data-parallel ranks in all: the gradient is the mean over this many."""
+        return self.size * self.replica_count
+
+    def broadcast_from_first(self, tensor: torch.Tensor) -> None:
+        """Overwrite ``tensor`` with data-parallel rank 0's (instance 0's shard-group rank 0):
+        inside each instance, then from instance 0 to the others."""
+        if self.size > 1:
+            dist.broadcast(tensor, group=self.group, group_src=0)
+        if self.replica_count > 1:
+            dist.broadcast(tensor, group=self.replicas, group_src=0)
+
+    def sum_replicas_async(self, shards: Sequence[torch.Tensor]) -> list[dist.Work]:
+        """Start summing this rank's reduced ``shards`` over the instances (in place)."""
+        return [dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.replicas, async_op=True) for s in shards]
 
     @classmethod
     def resolve(
@@ -108,12 +143,14 @@ class DataParallelGroup:
     ) -> "DataParallelGroup":
         """``group=None`` means the default (world) group, or world size 1 when
         ``torch.distributed`` is not initialized; a 1-D ``DeviceMesh`` (``mesh["dp"]``) means
-        its group. ``"auto"`` picks ``"all_to_all"`` on
+        its group; a 2-D mesh with dims ``("replicate", "shard")`` means hierarchical sharding
+        (:attr:`replicas`). ``"auto"`` picks ``"all_to_all"`` on
         gloo (whose reduce-scatter sets up a halving-doubling algorithm on every call; the
         README's "Gradients" paragraph has the measurements) and ``"reduce_scatter"``
         everywhere else."""
+        replicas = None
         if isinstance(group, DeviceMesh):
-            group = _mesh_group(group)
+            group, replicas = _mesh_groups(group)
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 1, 0)
         if group is not None and not isinstance(group, dist.ProcessGroup):
@@ -127,7 +164,10 @@ class DataParallelGroup:
         backend = str(dist.get_backend(group))
         if grad_collective == "auto":
             grad_collective = "all_to_all" if backend == "gloo" else "reduce_scatter"
-        return cls(group, size, rank, grad_collective, backend=backend)
+        if replicas is None:
+            return cls(group, size, rank, grad_collective, backend=backend)
+        count, replica_rank = dist.get_world_size(replicas), dist.get_rank(replicas)
+        return cls(group, size, rank, grad_collective, backend=backend, replicas=replicas, replica_count=count, replica_rank=replica_rank)
 
     @property
     def gather_by_broadcast(self) -> bool:

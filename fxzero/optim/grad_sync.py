@@ -66,7 +66,8 @@ class GradReductions:
         """The chunked all-to-all reduction (gloo's fastest); ``None`` with the other collectives."""
         # a preallocated 0-dim factor: a Python float would be wrapped into a tensor every step
         device = self.buckets[0].grad_data.device if self.buckets else None
-        self._post_scale = torch.tensor(dp.post_scale, device=device) if dp.post_scale != 1.0 else None
+        scale = dp.post_scale / dp.replica_count  # hierarchical: the instances' shards are summed, then averaged
+        self._post_scale = torch.tensor(scale, device=device) if scale != 1.0 else None
 
     def launch(self, indices: range) -> None:
         """Launch the reductions of buckets ``indices`` (the ledger's answer), in order."""
@@ -89,6 +90,9 @@ class GradReductions:
         """Launch what is left, wait for every reduction of this step, and average."""
         self.launch(self.ledger.rest())
         self.finish_launched()
+        if self.dp.replica_count > 1:  # hierarchical: the shard reduced in this instance, summed over the instances
+            for index, work in enumerate(self.dp.sum_replicas_async(self._own_shards)):
+                self.dp.wait(work, "all-reduce over the instances", index, self._described[index])
         if self._post_scale is not None:
             foreach_mul_(self._own_shards, self._post_scale)
 
@@ -112,6 +116,12 @@ class GradReductions:
 
     def collectives_per_step(self) -> dict[str, int]:
         """The reductions one step issues, by ``c10d`` op name (as ``torch.profiler`` names them)."""
+        counts = self._in_instance()
+        if self.dp.replica_count > 1:  # hierarchical: one all-reduce per bucket over the instances
+            counts["allreduce"] = counts.get("allreduce", 0) + len(self.buckets)
+        return counts
+
+    def _in_instance(self) -> dict[str, int]:
         if self.dp.size == 1:
             return {}
         if self.exchange is not None:

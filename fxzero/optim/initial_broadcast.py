@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .buffer_sync import broadcast_flat
 from .comm import DataParallelGroup
@@ -29,10 +28,10 @@ def broadcast_initial_state(
     managed: Sequence[torch.Tensor],
 ) -> None:
     """Overwrite ``flat_params`` (and ``module``'s other state) with rank 0's."""
-    if dp.size == 1:
+    if dp.total == 1:
         return
     for flat in flat_params:
-        dist.broadcast(flat, group=dp.group, group_src=0)
+        dp.broadcast_from_first(flat)
     if module is None:
         return
     ids = {id(p) for p in managed}

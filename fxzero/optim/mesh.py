@@ -168,6 +168,12 @@ def check_mesh_params(
     dtensors = [(slot, p) for slot, p in enumerate(params) if isinstance(p, DTensor)]
     if not dtensors:
         return MeshParams(frozenset(), (), ())
+    if dp.replica_count > 1:
+        raise NotImplementedError(
+            f"fxzero: param {labels[dtensors[0][0]]} is a DTensor, and hierarchical sharding (a ('replicate', 'shard') "
+            "process_group mesh) is not implemented with DTensor (tensor-parallel) params; pass the data-parallel "
+            "dimension of the mesh as one group, process_group=mesh['dp']"
+        )
     dp_ranks = tuple(dist.get_process_group_ranks(dp.group if dp.group is not None else dist.group.WORLD))
     dims: dict[tuple[int, ...], ModelDim] = {}
     sharded: dict[tuple[int, ...], set[int]] = {}
