@@ -209,6 +209,9 @@ def build_parser():
     p.add_argument("--data", default=None, help="a text file (default: the stdlib's .py files)")
     p.add_argument("--ckpt-dir", default=None, help="resume from the latest checkpoint here; save into it")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
+    p.add_argument("--instances", type=int, default=1,
+                   help="hierarchical sharding: optimizer state sharded inside each of this many instances "
+                        "(consecutive ranks: under torchrun, one per node) and replicated across them")
     p.add_argument("--tp", type=int, default=1,
                    help="tensor-parallel degree: a (world / tp) x tp mesh, ZeRO-1 over dp")
     return p
@@ -231,6 +234,12 @@ def check_args(parser, args, world):
         for flag, why in TP_UNSUPPORTED.items():
             if used[flag]:
                 parser.error(f"{flag} is not supported with --tp {tp} yet: {why}")
+    if args.instances != 1:
+        if args.instances < 1 or world % args.instances:
+            parser.error(f"--instances {args.instances} must divide the world size {world}")
+        for flag, used in (("--tp", tp > 1), ("--optimizer muon", args.optimizer == "muon")):
+            if used:
+                parser.error(f"--instances {args.instances} is not supported with {flag}")
     dp = world // tp
     if args.global_batch % (dp * args.accum):
         what = "world * accum" if tp == 1 else f"dp * accum (dp = world / tp = {dp})"
@@ -334,7 +343,10 @@ def build_job(args, rank, world, device):
     if args.tp > 1:  # before the optimizer: fxzero's buffers take the DTensors' local shards
         mesh = init_device_mesh(device.type, (world // args.tp, args.tp), mesh_dim_names=("dp", "tp"))
         parallelize(model, mesh["tp"])
-    opts = build_optimizers(model, args, group=None if mesh is None else mesh["dp"])
+    group = None if mesh is None else mesh["dp"]
+    if args.instances > 1:  # ranks r*k .. r*k+k-1 form instance r: torchrun numbers a node's ranks consecutively
+        group = init_device_mesh(device.type, (args.instances, world // args.instances), mesh_dim_names=("replicate", "shard"))
+    opts = build_optimizers(model, args, group=group)
     train_model = model  # fxzero's passes put each bucket's reduce-scatter and all-gather wait into the graphs
     if args.compile != "none":
         train_model = torch.compile(model, backend="fxzero", options={"inner_compiler": args.compile})
@@ -439,6 +451,8 @@ def summary(job, losses, val_loss, skipped, first_ms, t_start):
     if job.mesh is not None:
         collectives += ", fxzero's (the TP layers' own all-reduces not counted)"
     mesh = "" if job.mesh is None else f" (dp {job.dp} x tp {args.tp})"
+    if args.instances > 1:
+        mesh = f" ({args.instances} instances x {world // args.instances} shards)"
     setup = (f"world {world}{mesh}, compile {args.compile}, param-gather overlap {'on' if args.overlap else 'off'}, "
              f"MXFP8 gather {'on (in the grad buffer)' if args.mxfp8 else 'off'}")
     if len(job.opts) > 1:

@@ -1,6 +1,7 @@
 """Two torchrun agents ("nodes") on this machine: the main job at world 4 over c10d rendezvous,
 a lost node (its agent and workers SIGKILLed together), the survivors' bounded failure, and the
-resume with a replacement node (benchmarks/multinode_drill.py, which the README shows)."""
+resume with a replacement node (benchmarks/multinode_drill.py, which the README shows), with one
+optimizer instance per node."""
 
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ _REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_a_lost_node_fails_its_peers_fast_and_a_replacement_node_resumes_to_the_same_end() -> None:
-    """~40 s: two 2-node jobs at once, eager (uncompiled) so the drill's subject (rendezvous,
-    loss, restart, resume) is not buried under four cold Inductor compiles."""
+    """~40 s: two 2-node jobs at once, one optimizer instance per node (hierarchical sharding:
+    the state sharded inside a node, one copy per node), eager (uncompiled) so the drill's
+    subject (rendezvous, loss, restart, resume) is not buried under four cold Inductor compiles."""
     proc = subprocess.run(
         [sys.executable, str(_REPO / "benchmarks" / "multinode_drill.py"), "--compile", "none",
-         "--steps", "8", "--ckpt-every", "3", "--lose-at", "5", "--timeout", "240"],
+         "--steps", "8", "--ckpt-every", "3", "--lose-at", "5", "--timeout", "240",
+         "--train-args=--instances 2"],
         capture_output=True, text=True, timeout=400, cwd=_REPO,
     )
     out = proc.stdout

@@ -212,6 +212,9 @@ def test_tp2_with_mxfp8_gather_computes_on_the_round_trip_of_its_masters() -> No
     (["--tp", "3"], "--tp 3 must divide the world size 4"),
     (["--tp", "2", "--compile", "none", "--optimizer", "muon"], "--optimizer muon is not supported with --tp 2 yet"),
     (["--tp", "4", "--compile", "none", "--heads", "2"], "--tp 4 must divide --heads 2"),
+    (["--instances", "3"], "--instances 3 must divide the world size 4"),
+    (["--instances", "2", "--tp", "2"], "--instances 2 is not supported with --tp"),
+    (["--instances", "2", "--optimizer", "muon"], "--instances 2 is not supported with --optimizer muon"),
     (["--tp", "2", "--compile", "none", "--global-batch", "3"], "divisible by dp * accum (dp = world / tp = 2) = 2"),
 ])  # fmt: skip
 def test_tp_refusals_name_the_flag(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
