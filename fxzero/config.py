@@ -129,6 +129,17 @@ class Config:
     rank's buffers follow its own data after the construction-time broadcast (which
     ``init_sync`` controls), as DDP's ``forward_sync_buffers=False`` does."""
 
+    gradient_divide_factor: Optional[int] = None
+    """The number of ranks each gradient is averaged over: ``None`` is the data-parallel size
+    (the optimizer's ``process_group``, all instances). Expert-parallel params need the
+    whole data-parallel size instead: their optimizer's group is the *expert* data-parallel
+    group (the ranks holding the same experts), but each local expert's gradient already sums
+    the tokens of its whole expert-parallel group, so its sum over that group must be divided
+    by every data-parallel rank (``ep * edp``), as torchtitan sets FSDP2's
+    ``set_gradient_divide_factor`` and Megatron-LM scales expert gradients by
+    ``expert_data_parallel_size / data_parallel_size``. The README's "Expert-parallel params"
+    section builds one."""
+
     state_sharding: Literal["auto", "elementwise", "whole_params"] = "auto"
     """How the wrapped optimizer's state is split over ranks.
 
@@ -174,6 +185,9 @@ class Config:
             )
         if self.state_sharding not in ("auto", "elementwise", "whole_params"):
             raise ValueError(f"Config.state_sharding must be 'auto', 'elementwise' or 'whole_params', got {self.state_sharding!r}")
+        factor = self.gradient_divide_factor
+        if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int) or factor < 1):
+            raise ValueError(f"Config.gradient_divide_factor must be an int >= 1 or None (the data-parallel size), got {factor!r}")
         if self.clip_grad is not None:
             if isinstance(self.clip_grad, bool) or not isinstance(self.clip_grad, (int, float)):
                 raise TypeError(f"Config.clip_grad must be a positive number or None, got {self.clip_grad!r}")

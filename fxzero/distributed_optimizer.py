@@ -178,7 +178,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         # gather bytes sit in the grad buffer: land a bucket before touching its grads
         before_grad_write = self.param_sync.wait if self._reuse else None
         self.ledger = Ledger(table.bucket_of_slot, len(self.buckets), label=table.label)
-        self.reductions = GradReductions(self.buckets, dp, self.ledger, described=described, before_grad_write=before_grad_write)
+        self.reductions = GradReductions(self.buckets, dp, self.ledger, described=described, before_grad_write=before_grad_write,
+                                         divide_factor=self.config.gradient_divide_factor)
         self.shards, self.fragments = build_shards(self.buffers, table, dp.rank, separate_mains=self.config.mxfp8_param_gather)
         """``fragments``: this rank's pieces of the params, each its slot, where it lies in the
         param (``where``) and the fp32 master view the wrapped optimizer steps (``param``)."""

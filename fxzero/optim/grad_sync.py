@@ -54,6 +54,7 @@ class GradReductions:
         *,
         described: Sequence[str] = (),
         before_grad_write: Optional[Callable[[int], None]] = None,
+        divide_factor: Optional[int] = None,
     ) -> None:
         self.buckets, self.dp, self.ledger = tuple(buckets), dp, ledger
         self._described = tuple(described) or ("",) * len(self.buckets)
@@ -67,6 +68,8 @@ class GradReductions:
         # a preallocated 0-dim factor: a Python float would be wrapped into a tensor every step
         device = self.buckets[0].grad_data.device if self.buckets else None
         scale = dp.post_scale / dp.replica_count  # hierarchical: the instances' shards are summed, then averaged
+        if divide_factor is not None:  # Config.gradient_divide_factor: the mean over that many ranks instead
+            scale *= dp.total / divide_factor
         self._post_scale = torch.tensor(scale, device=device) if scale != 1.0 else None
 
     def launch(self, indices: range) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from .buffer_sync import broadcast_flat
 from .comm import DataParallelGroup
@@ -35,4 +36,12 @@ def broadcast_initial_state(
     if module is None:
         return
     ids = {id(p) for p in managed}
-    broadcast_flat(dp, [t for t in (*module.parameters(), *module.buffers()) if id(t) not in ids])
+    broadcast_flat(dp, [t for t in (*module.parameters(), *module.buffers()) if id(t) not in ids and not _sharded(t)])
+
+
+def _sharded(tensor: torch.Tensor) -> bool:
+    """A DTensor sharded over some mesh dim: its local tensors differ from rank to rank, and
+    the group may span that dim (another optimizer's expert params, Shard(0) over the
+    expert-parallel dim, are unmanaged here and must not become rank 0's experts). Its own
+    optimizer syncs it over its own group."""
+    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
