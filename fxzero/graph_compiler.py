@@ -60,15 +60,12 @@ class GraphCompiler:
         *,
         inductor: Optional[compat.InductorCompilers],
         dumper: Optional[dump.GraphDumper],
-        waited: Optional[set[int]] = None,
     ) -> None:
         flat, self.num_inputs = compat.flat_input_positions(example_inputs)
         self.owners = owners
-        self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed if waited is None or m.owner in waited]
+        self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed]
         """Managed params by AOTAutograd's flattened input position (what fxzero's passes
-        index: a DTensor param is its local tensor there) whose optimizer may have gathers in
-        flight when the forward runs (``waited``: those owners' indices; None: all): each gets
-        its gather wait."""
+        index: a DTensor param is its local tensor there): each gets its gather wait."""
         # A DTensor param's gradient keeps autograd's path (the eager post-accumulate hook
         # takes it, in its own placement): AOTAutograd rebuilds each gradient of a DTensor
         # input as a DTensor from the backward's outputs, and the hand-off's None there fails
@@ -96,7 +93,7 @@ class GraphCompiler:
     ) -> "GraphCompiler":
         """Find the managed params among ``example_inputs``; build a dumper only when a
         dump directory, ``TORCH_TRACE``, the ``fxzero`` INFO log or a recorder wants one."""
-        owners, managed, waited = managed_params(example_inputs)
+        owners, managed = managed_params(example_inputs)
         if not managed:
             _warn_if_unmanaged(example_inputs)
         names = compat.dynamo_input_names(gm)
@@ -106,7 +103,7 @@ class GraphCompiler:
             dumper = dump.GraphDumper(dump_dir, owners, managed, names, example_inputs, recorder)
         inductor = compat.InductorCompilers(gm, len(example_inputs)) if inner_compiler == "inductor" else None
         kept = [m for m in managed if m.position not in hooked]
-        return cls(example_inputs, kept, len(owners), inductor=inductor, dumper=dumper, waited=waited)
+        return cls(example_inputs, kept, len(owners), inductor=inductor, dumper=dumper)
 
     # ---- AOTAutograd's hooks ---------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -159,23 +156,20 @@ class GraphCompiler:
             return self.inductor.forward(gm, example_inputs, is_inference=kind == "inference", keep_outputs=keep)
 
 
-def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam], set[int]]:
-    """The optimizers owning params among ``example_inputs`` (first appearance first), those
-    params as each optimizer's ``bind`` describes them, and the indices of the optimizers
-    whose gathers may be in flight when a forward runs (their params get waits)."""
+def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam]]:
+    """The optimizers owning params among ``example_inputs`` (first appearance first) and
+    those params, as each optimizer's ``bind`` describes them."""
     owners: list[Any] = []
     for value in example_inputs:
         owner = owner_of(value)
         if owner is not None and all(owner is not o for o in owners):
             owners.append(owner)
-    bindings = [owner.bind(example_inputs) for owner in owners]
     managed = [
         ManagedParam(position, index, bucket, example_inputs[position].numel())
-        for index, binding in enumerate(bindings)
-        for position, bucket in zip(binding.positions, binding.buckets)
+        for index, owner in enumerate(owners)
+        for position, bucket in zip(*dataclasses.astuple(owner.bind(example_inputs)))
     ]
-    waited = {index for index, binding in enumerate(bindings) if binding.gathers_in_flight}
-    return owners, sorted(managed, key=lambda m: m.position), waited
+    return owners, sorted(managed, key=lambda m: m.position)
 
 
 def _hooked_positions(example_inputs: Sequence[Any], managed: Sequence[ManagedParam], names: Sequence[str]) -> set[int]:

@@ -54,12 +54,14 @@ fxzero buckets (dp=1): 2 buckets, 51 param elements in 256 buffer elements (80.1
 # primals_3 = 0.bias (bucket 1)
 # primals_4 = 2.weight (bucket 0)
 # primals_5 = 2.bias (bucket 0)
--- graph 0 forward, after fxzero's passes (12 nodes; frees omitted) --
+-- graph 0 forward, after fxzero's passes (14 nodes; frees omitted) --
 def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias):
+    ag_wait_bucket1 = torch.ops.fxzero.wait_params.default([0.weight, 0.bias])  # <- fxzero: wait for bucket 1's all-gather (and launch the next)
     t = torch.ops.aten.t.default(0.weight)
     addmm = torch.ops.aten.addmm.default(0.bias, primals_1, t)
     relu = torch.ops.aten.relu.default(addmm)
     detach = torch.ops.aten.detach.default(relu)
+    ag_wait_bucket0 = torch.ops.fxzero.wait_params.default([2.weight, 2.bias])  # <- fxzero: wait for bucket 0's all-gather (and launch the next)
     t_1 = torch.ops.aten.t.default(2.weight)
     addmm_1 = torch.ops.aten.addmm.default(2.bias, relu, t_1)
     return (addmm_1, primals_1, 0.weight, 0.bias, 2.weight, 2.bias, relu, detach, t_1)
@@ -86,8 +88,8 @@ def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias, relu, detach, t
     return (None, None, None, None, None)
 
 schedule (node k/N: the k-th of the graph's N nodes; backward graphs run in reverse graph order)
-bucket 0: reduce-scatter launches in graph 0 backward at node 17/28 (61%); all-gather finished inside step() (overlap_param_gather off: no wait in the graphs)
-bucket 1: reduce-scatter launches in graph 0 backward at node 26/28 (93%); all-gather finished inside step() (overlap_param_gather off: no wait in the graphs)
+bucket 0: reduce-scatter launches in graph 0 backward at node 17/28 (61%); all-gather waited in graph 0 forward at node 10/14 (71%)
+bucket 1: reduce-scatter launches in graph 0 backward at node 26/28 (93%); all-gather waited in graph 0 forward at node 5/14 (36%)
 buckets spanning several graphs: none
 
 collectives: fxzero's per step, as c10d counts them: none (data-parallel size 1); data-parallel group: ranks [0]
@@ -98,9 +100,7 @@ the model's own in its graphs: none
     def test_graph_break_golden_bucket_spans_both_graphs(self) -> None:
         torch.manual_seed(0)
         model = _Broken()
-        # overlapped gathers: the forwards wait for them (without overlap the graphs hold no wait)
-        config = fxzero.Config(overlap_param_gather=True)
-        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model, config=config)
+        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model)
         before = [p.detach().clone() for p in model.parameters()]
         text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
         self.assertExpectedInline(text, """\

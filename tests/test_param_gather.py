@@ -138,35 +138,13 @@ def test_gradient_accumulation_gathers_only_after_the_step() -> None:
 
 # ---- the rewritten forward graph ------------------------------------------------------
 class TestRewrittenForward(TestCase):
-    def test_without_overlap_the_forward_holds_no_wait(self) -> None:
-        """Without overlap_param_gather, step() returns with every param gathered, so the
-        compiled forward gets no fxzero::wait_params (its dispatch would cost every run of
-        every graph for nothing); the backward (partitioned from the joint graph) still gets its
-        launches."""
-        torch._dynamo.reset()
-        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
-        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32), module=model)
-        graphs = {}
-        for name in ("run_forward_passes", "run_joint_passes"):
-            original = getattr(fxzero.graph_compiler, name)
-
-            def capture(gm, example_inputs, _original=original, _name=name, **kwargs):  # type: ignore[no-untyped-def]
-                graphs[_name] = _original(gm, example_inputs, **kwargs)
-                return graphs[_name]
-
-            self.enterContext(mock.patch.object(fxzero.graph_compiler, name, capture))
-        cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
-        cmodel(torch.randn(5, 4)).sum().backward()
-        self.assertNotIn("torch.ops.fxzero", graphs["run_forward_passes"].code)
-        self.assertIn("torch.ops.fxzero.grads_ready", graphs["run_joint_passes"].code)
-        self.assertFalse(opt.param_sync.overlap)
-
     def test_each_bucket_is_waited_right_before_its_first_read(self) -> None:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
-        config = fxzero.Config(bucket_size=32, overlap_param_gather=True)  # without overlap: no wait (below)
-        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=config, module=model)
+        opt = fxzero.DistributedOptimizer(
+            model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32), module=model
+        )
         self.assertEqual(len(opt.buckets), 2)
         graphs = []
         original = fxzero.graph_compiler.run_forward_passes

@@ -208,10 +208,7 @@ def _schedule_line(explained: "Explained", bucket: int) -> str:
     rs = f"reduce-scatter launches in {', '.join(launches)}" if launches else "reduce-scatter launched by eager hooks"
     if len(launches) > 1:
         rs += " (at the last of these to run)"
-    if not explained.optimizer.param_sync.overlap:
-        ag = "all-gather finished inside step() (overlap_param_gather off: no wait in the graphs)"
-    else:
-        ag = f"all-gather waited in {', '.join(waits)}" if waits else "all-gather waited by eager hooks"
+    ag = f"all-gather waited in {', '.join(waits)}" if waits else "all-gather waited by eager hooks"
     if len(waits) > 1:
         ag += " (by the first to run)"
     return f"bucket {bucket}: {rs}; {ag}"
@@ -253,7 +250,7 @@ def _collectives(explained: "Explained") -> str:
     other mesh dims), so a reader sees which group each runs on."""
     opt = explained.optimizer
     dp = opt.dp
-    ranks = list(torch.distributed.get_process_group_ranks(dp.group)) if dp.group is not None else list(range(dp.size))  # None: the world
+    ranks = list(torch.distributed.get_process_group_ranks(dp.group)) if dp.group is not None else [0]
     counts = opt.collectives_per_step
     ours = ", ".join(f"{c} x {op}" for op, c in sorted(counts.items())) or "none (data-parallel size 1)"
     mesh = " (the grad norm's all-reduce runs once more over each other mesh dim)" if opt.reduced.mesh_norms is not None else ""

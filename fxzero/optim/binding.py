@@ -92,11 +92,6 @@ class InputBinding:
     """Input positions of the managed params, ascending."""
     buckets: tuple[int, ...]
     """Bucket index of each, at compile time (plans group by it; the runtime re-resolves)."""
-    gathers_in_flight: bool = True
-    """Whether a forward can run while this optimizer's param gathers are in flight
-    (``overlap_param_gather``). Without overlap ``step()`` returns with every param current,
-    so the graphs need no ``fxzero::wait_params``: leaving it out saves its dispatch (a few
-    microseconds) on every run of every compiled forward."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -159,7 +154,7 @@ class GraphBinding:
     def describe(self, inputs: Sequence[Any]) -> InputBinding:
         """This optimizer's params among ``inputs`` (a graph's example inputs)."""
         mine = tuple(i for i, x in enumerate(inputs) if self.manages(x))
-        return InputBinding(mine, tuple(self._bucket(inputs[p]) for p in mine), self.param_sync.overlap)
+        return InputBinding(mine, tuple(self._bucket(inputs[p]) for p in mine))
 
     def manages(self, value: Any) -> bool:
         return self.table.find(value) is not None
