@@ -250,7 +250,7 @@ def _collectives(explained: "Explained") -> str:
     other mesh dims), so a reader sees which group each runs on."""
     opt = explained.optimizer
     dp = opt.dp
-    ranks = list(torch.distributed.get_process_group_ranks(dp.group)) if dp.group is not None else [0]
+    ranks = list(torch.distributed.get_process_group_ranks(dp.group)) if dp.group is not None else list(range(dp.size))  # None: the world
     counts = opt.collectives_per_step
     ours = ", ".join(f"{c} x {op}" for op, c in sorted(counts.items())) or "none (data-parallel size 1)"
     mesh = " (the grad norm's all-reduce runs once more over each other mesh dim)" if opt.reduced.mesh_norms is not None else ""
