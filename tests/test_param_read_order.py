@@ -3,7 +3,8 @@
 ``fxzero::wait_params(params)`` declares that it writes the params it makes
 current, so Inductor orders every later read after it, whatever it fuses. The tests:
 
-* bitwise: overlap on (with gathers that move no data until waited for, so a read
+* bitwise, through one compile serving both runs: overlap on (with gathers that move no
+  data until waited for, so a read
   before the wait *must* see last step's values) vs overlap off, world 2, Inductor,
   fp32 and MXFP8 gathers, on models whose norm weights Inductor fuses into the
   normalising kernel (the case that read stale weights before), with a no-grad eval
@@ -18,6 +19,7 @@ current, so Inductor orders every later read after it, whatever it fuses. The te
 
 from __future__ import annotations
 
+import gc
 import re
 from typing import Callable
 from unittest import mock
@@ -40,14 +42,30 @@ from models import batch, build, loss_fn, param_groups
 LR, STEPS, GLOBAL = 1e-2, 6, 8
 
 
-def _train(name: str, *, mxfp8: bool, overlap: bool, deferred: bool) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
+def _train_both(name: str, *, mxfp8: bool) -> dict[str, dict]:
+    """Overlap on with deferred gathers, then off with real ones, through the same compiled
+    graphs (each run from the initial weights with a fresh optimizer, which takes over the
+    compiled graphs): the runs execute the same generated code and differ only in when each
+    gather's data lands. ``dynamic=False``: no graph the first run recompiled with dynamic
+    shapes serves the second run's first steps."""
     model = build(name)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    cmodel = torch.compile(model, backend="fxzero", dynamic=False)  # Inductor
+    results = {}
+    for key, overlap in (("on", True), ("off", False)):
+        model.load_state_dict(initial)
+        results[key] = _train(name, model, cmodel, mxfp8=mxfp8, overlap=overlap)
+        gc.collect()  # the run's optimizer is gone: the next one may manage the params
+    return results
+
+
+def _train(name: str, model: torch.nn.Module, cmodel: Callable, *, mxfp8: bool, overlap: bool) -> dict:
+    """One run on this rank; ``overlap`` also defers each gather's data to its wait."""
+    rank, world = dist.get_rank(), dist.get_world_size()
     bucket_size = {"conv": 150, "expert_loop": 100}.get(name, 2000)  # small models: still >= 3 buckets
     config = fxzero.Config(bucket_size=bucket_size, overlap_param_gather=overlap, mxfp8_param_gather=mxfp8)
     opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
-    cmodel = torch.compile(model, backend="fxzero")  # Inductor
-    gather = deferred_all_gather if deferred else DataParallelGroup.all_gather_async
+    gather = deferred_all_gather if overlap else DataParallelGroup.all_gather_async
     losses, codes, local = [], [], GLOBAL // world
     with mock.patch.object(DataParallelGroup, "all_gather_async", gather):
         for step in range(STEPS):
@@ -88,8 +106,8 @@ _CASES.append(("conv", False))  # Inductor's channels-last copies of the conv we
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "mxfp8"), _CASES, ids=[f"{n}-{'mxfp8' if m else 'fp32'}-gather" for n, m in _CASES])
 def test_overlap_on_and_off_are_bitwise_identical_under_inductor(name: str, mxfp8: bool) -> None:
-    on = run_ranks(2, _train, name, mxfp8=mxfp8, overlap=True, deferred=True, timeout=300)
-    off = run_ranks(2, _train, name, mxfp8=mxfp8, overlap=False, deferred=False, timeout=300)
+    both = run_ranks(2, _train_both, name, mxfp8=mxfp8, timeout=300)
+    on, off = [r["on"] for r in both], [r["off"] for r in both]
     assert on[0]["buckets"] >= 3
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"]
@@ -111,8 +129,8 @@ def test_a_module_whose_forward_graph_breaks_reads_its_params_after_their_wait()
     """The experts' forward breaks the graph after the module's entry; its rest reads the
     experts' param outside any graph that waits for it, and no pre-hook runs for that rest.
     The pre-hook's mark at the module's entry puts the wait in the graph that entered it."""
-    on = run_ranks(2, _train, "expert_loop", mxfp8=False, overlap=True, deferred=True, timeout=300)
-    off = run_ranks(2, _train, "expert_loop", mxfp8=False, overlap=False, deferred=False, timeout=300)
+    both = run_ranks(2, _train_both, "expert_loop", mxfp8=False, timeout=300)
+    on, off = [r["on"] for r in both], [r["off"] for r in both]
     assert on[0]["buckets"] >= 3
     for a, b in zip(on, off):
         assert a["losses"] == b["losses"]

@@ -22,6 +22,7 @@ measures the noise floor): ``pytest tests/test_zoo.py -s``.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -79,15 +80,12 @@ def _build(case: Case) -> torch.nn.Module:
     return case.build()
 
 
-def _train(name: str, *, overlap: bool) -> dict[str, Any]:
-    """One fxzero run on this rank; ``overlap`` runs with deferred gathers."""
+def _train(case: Case, model: torch.nn.Module, cmodel: Any, *, overlap: bool) -> dict[str, Any]:
+    """One fxzero run on this rank of the compiled ``cmodel``; ``overlap`` runs with deferred gathers."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    case = _CASES[name]
-    model = _build(case)
     numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
     config = fxzero.Config(bucket_size=numel // 4, overlap_param_gather=overlap)
     opt = fxzero.DistributedOptimizer(_trainable(model), torch.optim.SGD, config=config, module=model, **_optimizer())
-    cmodel = torch.compile(model, backend="fxzero")  # Inductor
     gather = deferred_all_gather if overlap else DataParallelGroup.all_gather_async
     losses = []
     with mock.patch.object(DataParallelGroup, "all_gather_async", gather):
@@ -99,14 +97,22 @@ def _train(name: str, *, overlap: bool) -> dict[str, Any]:
 
 
 def _train_both(name: str) -> dict[str, Any]:
-    """Overlap on, then off, each from a fresh Dynamo state: both runs compile the same graphs
-    in the same order (a second run on warm Dynamo caches could start on the dynamic-shape
-    graphs the first one ended with; Inductor's on-disk cache makes the second compile cheap)."""
+    """Overlap on, then off, through the same compiled graphs: the two runs execute the same
+    generated code and differ only in when each gather's data lands, so any difference is a
+    read before its wait. The second run starts from the initial weights (and BatchNorm
+    statistics) with a fresh optimizer, which takes over the compiled graphs
+    (``test_binding.py``). ``dynamic=False``: a graph recompiled with dynamic shapes in the
+    first run would otherwise serve the second run's first steps."""
     start = time.perf_counter()
+    case = _CASES[name]
+    model = _build(case)
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    cmodel = torch.compile(model, backend="fxzero", dynamic=False)  # Inductor
     results = {}
     for key, overlap in (("on", True), ("off", False)):
-        torch.compiler.reset()
-        results[key] = _train(name, overlap=overlap)
+        model.load_state_dict(initial)
+        results[key] = _train(case, model, cmodel, overlap=overlap)
+        gc.collect()  # the run's optimizer is gone: the next one may manage the params
     return results | {"wall": time.perf_counter() - start}
 
 
