@@ -14,7 +14,8 @@ the machine's drift hits both alike:
 * ``fxzero``: ``fxzero.DistributedOptimizer(AdamW)`` + ``torch.compile(backend="fxzero")``.
 
 It prints median step times, their ratio, how many AOT compiles each made, the extra
-microseconds per graph call, and (``--breakdown``) where fxzero's per-graph time goes:
+microseconds per graph call, each phase's median (forward, backward, ``step()``,
+``zero_grad()``) for both configs, and (``--breakdown``) where fxzero's per-graph time goes:
 a cProfile of the fxzero steps, inclusive time of each runtime entry point per graph call
 (the profiler slows Python down, so read the shares, not the absolute values).
 Target: fxzero <= 1.15x plain.
@@ -61,8 +62,12 @@ class Toy(nn.Module):
         return x
 
 
-def _configs(blocks: int) -> dict[str, Callable[[torch.Tensor], float]]:
-    """Each config: a function running one training step on a batch."""
+PHASES = ("forward", "backward", "step", "zero_grad")
+
+
+def _configs(blocks: int, phases: dict[str, dict[str, list[float]]]) -> dict[str, Callable[[torch.Tensor], float]]:
+    """Each config: a function running one training step on a batch, appending each
+    phase's seconds to ``phases[config][phase]``."""
     torch.manual_seed(0)
     plain_model, fx_model = Toy(blocks), Toy(blocks)
     fx_model.load_state_dict(plain_model.state_dict())
@@ -70,14 +75,34 @@ def _configs(blocks: int) -> dict[str, Callable[[torch.Tensor], float]]:
     fx_opt = fxzero.DistributedOptimizer(fx_model.parameters(), torch.optim.AdamW, lr=1e-3, module=fx_model)
     plain, fx = torch.compile(plain_model), torch.compile(fx_model, backend="fxzero")
 
-    def step(model: Callable, opt: torch.optim.Optimizer, x: torch.Tensor) -> float:
+    def step(model: Callable, opt: torch.optim.Optimizer, x: torch.Tensor, times: dict[str, list[float]]) -> float:
+        t0 = time.perf_counter()
         loss = model(x).square().mean()
+        t1 = time.perf_counter()
         loss.backward()
+        t2 = time.perf_counter()
         opt.step()
+        t3 = time.perf_counter()
         opt.zero_grad()
+        t4 = time.perf_counter()
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
+            times[phase].append(seconds)
         return loss.item()
 
-    return {"plain": lambda x: step(plain, plain_opt, x), "fxzero": lambda x: step(fx, fx_opt, x)}
+    return {
+        "plain": lambda x: step(plain, plain_opt, x, phases["plain"]),
+        "fxzero": lambda x: step(fx, fx_opt, x, phases["fxzero"]),
+    }
+
+
+def phase_rows(phases: dict[str, dict[str, list[float]]], skip: int, graph_calls: dict[str, int]) -> list[list[str]]:
+    """Median microseconds of each phase per step, both configs, and fxzero's extra per graph call."""
+    rows = []
+    for phase in PHASES:
+        plain, fx = (1e6 * statistics.median(phases[c][phase][skip:]) for c in ("plain", "fxzero"))
+        per_graph = f"{(fx - plain) / graph_calls[phase]:.1f}" if graph_calls.get(phase) else "n/a"
+        rows.append([phase, f"{plain:.1f}", f"{fx:.1f}", f"{fx - plain:+.1f}", per_graph])
+    return rows
 
 
 # (category, file suffix, function name): inclusive time of these entry points
@@ -122,7 +147,8 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.compiler.reset()
     with mock.patch.object(GraphCompiler, "__init__", autospec=True, side_effect=GraphCompiler.__init__) as compiles:
-        configs = _configs(args.blocks)
+        phases: dict[str, dict[str, list[float]]] = {c: {p: [] for p in PHASES} for c in ("plain", "fxzero")}
+        configs = _configs(args.blocks, phases)
         x = torch.randn(8, 16, 64)
         times: dict[str, list[float]] = {name: [] for name in configs}
         losses: dict[str, float] = {}
@@ -146,6 +172,9 @@ def main() -> None:
     print(f"fxzero adds {extra:.1f} us per graph call ({graph_calls} graph calls per step)")
     ratio = medians["fxzero"] / medians["plain"]
     print(f"fxzero step time = {ratio:.3f}x plain torch.compile (target <= 1.15x): {'PASS' if ratio <= 1.15 else 'FAIL'}")
+    per_phase = {"forward": args.blocks, "backward": args.blocks}  # graph calls in each phase
+    print("\nwhere the time goes, per phase (median us per step, the same steps as above):")
+    print(tabulate(phase_rows(phases, args.warmup, per_phase), headers=["phase", "plain", "fxzero", "fxzero extra", "extra per graph call"], tablefmt="github"))
     if args.breakdown:
         rows = breakdown(configs["fxzero"], x, args.steps, graph_calls)
         print("\nwhere fxzero's per-graph time goes (cProfile, inclusive; the profiler inflates Python time):")

@@ -94,7 +94,7 @@ def check_parity(run: Run, world: int) -> None:
     assert reference["losses"][-1] < reference["losses"][0], "the loss must move for parity to mean anything"
 
 
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # world 4 on 2 cores: ~7 s each
 @pytest.mark.parametrize("name", ["mlp", "gpt", "conv"])
 def test_compiled_parity(name: str, world: int) -> None:
     check_parity(Run(name), world)

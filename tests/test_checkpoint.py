@@ -376,7 +376,7 @@ def _peer_fails_before_backward(how: str) -> None:
         raise fxzero.CollectiveError(f"{err} [raised after {time.monotonic() - start:.2f} s]") from err
 
 
-@pytest.mark.parametrize("how", ["killed", "silent"])
+@pytest.mark.parametrize("how", ["killed", pytest.param("silent", marks=pytest.mark.slow)])  # silent: waits out a timeout
 def test_a_dead_or_silent_peer_makes_the_others_fail_naming_the_bucket(how: str) -> None:
     pool = RankPool(2, pg_timeout=PG_TIMEOUT)
     try:

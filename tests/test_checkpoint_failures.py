@@ -198,6 +198,7 @@ def _late_rank_one(ckpt_dir: str) -> dict[str, Any]:
     }
 
 
+@pytest.mark.slow  # waits for the late rank
 def test_a_late_rank_is_waited_for_with_an_early_warning_naming_it(tmp_path: Path) -> None:
     """DDP and DCP wait for a late rank until the process group's timeout; so does the
     checkpoint handshake by default (saying early which rank it waits for)."""

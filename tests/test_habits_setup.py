@@ -200,7 +200,7 @@ def _masked(model: torch.nn.Module) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("inner", ["eager", "inductor"])
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])  # a cold Inductor compile: ~13 s
 def test_tensor_hooks_see_the_real_gradient_under_the_fxzero_backend(inner: str) -> None:
     torch._dynamo.reset()
     model, reference = _small(), _small()

@@ -180,7 +180,7 @@ def test_gradient_accumulation_no_sync_matches_big_batch() -> None:
             torch.testing.assert_close(result["params"][name], p.detach(), atol=1e-6, rtol=0, msg=name)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_chunked_exchange_is_bitwise_the_whole_bucket_sum(world: int) -> None:
     """Chunks of 16 elements through 2 receive slots: many chunks per bucket, retired while
     backward runs; every chunk sums in rank order, so the run is bitwise the one with
