@@ -1,6 +1,7 @@
 """The model zoo (:mod:`zoo`: timm and Hugging Face models nobody here wrote, plus the
 adapters and Python-routed experts of ``models.py``) trained by fxzero at world 2 under
-Inductor with the param all-gathers overlapping the forward (the mode with more to get wrong):
+Inductor (the transformer families under the eager inner compiler: ``zoo.Case.inner``) with
+the param all-gathers overlapping the forward (the mode with more to get wrong):
 
 * parity against single-process eager SGD with momentum on the same data, each rank's half run
   separately and the per-rank losses averaged (DDP's semantics: BatchNorm statistics and
@@ -107,7 +108,7 @@ def _train_both(name: str) -> dict[str, Any]:
     case = _CASES[name]
     model = _build(case)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
-    cmodel = torch.compile(model, backend="fxzero", dynamic=False)  # Inductor
+    cmodel = torch.compile(model, backend="fxzero", dynamic=False, options={"inner_compiler": case.inner})
     results = {}
     for key, overlap in (("on", True), ("off", False)):
         model.load_state_dict(initial)
@@ -163,7 +164,7 @@ def test_zoo_model_trains_like_eager_with_overlap_on_equal_off(name: str, world:
         floor = _diffs(_reference(name, compiled=True, world=world), reference)
     on = results[0]["on"]
     if _TABLE:
-        print(f"\n| {name} | {world} | {on['numel']:,} | {on['buckets']} | {loss_diff:.1e} | {param_diff:.1e} | "
+        print(f"\n| {name} | {world} | {_CASES[name].inner} | {on['numel']:,} | {on['buckets']} | {loss_diff:.1e} | {param_diff:.1e} | "
               f"{floor[0]:.1e} / {floor[1]:.1e} | bitwise | {results[0]['wall']:.0f} |")  # fmt: skip
     assert loss_diff <= max(1e-5, 2 * floor[0]), (loss_diff, floor)
     assert param_diff <= max(1e-4, 2 * floor[1]), (param_diff, floor)
