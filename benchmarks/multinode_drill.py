@@ -2,7 +2,7 @@
 
     python benchmarks/multinode_drill.py            # two 2-node jobs at once
 
-Each job is examples/train_gpt.py on ``--nnodes 2 --nproc-per-node 2`` (world 4, gloo), the two
+Each job is examples/train_gpt.py on ``--nnodes 2 --nproc-per-node 2`` (world 4, gloo; ``--nproc-per-node``), the two
 agents meeting by c10d rendezvous on 127.0.0.1 (node 0's agent hosts the store,
 ``--rdzv-conf is_host=1``), checkpointing every ``--ckpt-every`` steps into one directory (the
 shared file system of a real cluster):
@@ -54,7 +54,7 @@ class Agent:
     the time each line arrived (the drill times the survivors' error from the kill)."""
 
     def __init__(self, node: int, port: int, job_id: str, ckpt_dir: Path, args: argparse.Namespace, lose_at: int | None) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(args.nproc_per_node)]
         cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job_id]
         cmd += ["--rdzv-conf", f"is_host={int(node == 0)}", "--monitor-interval", "3"]
         cmd += ["--max-restarts", "1"] if lose_at else []
@@ -147,6 +147,7 @@ def _seconds_to_error(survivor: Agent, since: float, timeout: float) -> float | 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--nproc-per-node", type=int, default=2, help="ranks per node (world = 2 x this)")
     p.add_argument("--ckpt-every", type=int, default=6)
     p.add_argument("--lose-at", type=int, default=9)
     p.add_argument("--compile", choices=["inductor", "eager", "none"], default="inductor", help="train_gpt.py's --compile")
@@ -164,7 +165,7 @@ def main() -> int:
         same_keys = want.keys() == got.keys()
         diff = max((want[k].double() - got[k].double()).abs().max().item() for k in want) if same_keys else float("inf")
     header = f"final loss (step {args.steps})"
-    print(f"| 2 nodes x 2 ranks | wall s | {header} |")
+    print(f"| 2 nodes x {args.nproc_per_node} ranks | wall s | {header} |")
     print(f"|-------------------|--------|-{'-' * len(header)}-|")
     print(f"| uninterrupted     | {t_a:6.1f} | {a.get(args.steps, '-'):>{len(header)}} |")
     print(f"| node 1 lost       | {t_b:6.1f} | {b.get(args.steps, '-'):>{len(header)}} |")
