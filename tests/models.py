@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
@@ -340,6 +341,24 @@ def train_steps(
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+_Run = TypeVar("_Run")
+
+
+def runs_from_initial_state(model: nn.Module, runs: Sequence[_Run], train: Callable[[_Run], Any]) -> list[Any]:
+    """``train(run)`` for each of ``runs``, each from ``model``'s initial state (params and
+    buffers such as BatchNorm statistics). Each ``train`` builds its own optimizer; once it
+    is gone, the next one takes over the same compiled graphs (``test_binding.py``), so the
+    runs execute the same generated code. Compile ``model`` with ``dynamic=False``: a graph a
+    first run recompiled with dynamic shapes would otherwise serve a later run's first steps."""
+    initial = {k: v.clone() for k, v in model.state_dict().items()}
+    results = []
+    for run in runs:
+        model.load_state_dict(initial)
+        results.append(train(run))
+        gc.collect()  # the run's optimizer is gone: the next one may manage the params
+    return results
 
 
 def rank_step(loss: torch.Tensor, opt: torch.optim.Optimizer) -> float:

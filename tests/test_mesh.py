@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import gc
 import math
 from typing import Any
 
@@ -37,6 +36,8 @@ from torch.distributed.tensor.parallel import (
 
 import fxzero
 from fxzero.testing import run_ranks
+
+from models import runs_from_initial_state
 
 LR, CLIP, STEPS, GLOBAL = 1e-2, 0.5, 3, 4
 
@@ -159,22 +160,16 @@ def _train_dp_tp(dp: int, tp: int, inner: str | None = None, overlap: bool = Fal
 
 
 def _runs_dp_tp(dp: int, tp: int, inner: str | None, overlaps: tuple[bool, ...], dtype: torch.dtype = torch.float32) -> list[dict[str, Any]]:
-    """One run per entry of ``overlaps`` (``overlap_param_gather``), each from the initial
-    weights with a fresh optimizer, all through the same compiled graphs (a new optimizer
-    takes them over): compiled runs that differ only in when gathers land."""
+    """One run per entry of ``overlaps`` (``overlap_param_gather``), all through the same
+    compiled graphs (:func:`models.runs_from_initial_state`): compiled runs that differ only
+    in when gathers land."""
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     base = TinyLlama(Args())
     model = copy.deepcopy(base).to(dtype)
     parallelize(model, mesh["tp"])
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
     run = model if inner is None else torch.compile(model, backend="fxzero", options={"inner_compiler": inner}, dynamic=False)
-    results = []
-    for overlap in overlaps:
-        model.load_state_dict(initial)
-        results.append(_train_run(mesh, model, run, copy.deepcopy(base), overlap))
-        gc.collect()  # the run's optimizer is gone: the next one may manage the params
-    return results
+    return runs_from_initial_state(model, overlaps, lambda overlap: _train_run(mesh, model, run, copy.deepcopy(base), overlap))
 
 
 def _train_run(mesh: Any, model: nn.Module, run: Any, ref: nn.Module, overlap: bool) -> dict[str, Any]:

@@ -19,7 +19,6 @@ current, so Inductor orders every later read after it, whatever it fuses. The te
 
 from __future__ import annotations
 
-import gc
 import re
 from typing import Callable
 from unittest import mock
@@ -37,26 +36,19 @@ from fxzero.testing import run_ranks
 
 from doubles import deferred_all_gather
 from generated_code import WaitCheck, call_body, check_waits
-from models import batch, build, loss_fn, param_groups
+from models import batch, build, loss_fn, param_groups, runs_from_initial_state
 
 LR, STEPS, GLOBAL = 1e-2, 6, 8
 
 
 def _train_both(name: str, *, mxfp8: bool) -> dict[str, dict]:
     """Overlap on with deferred gathers, then off with real ones, through the same compiled
-    graphs (each run from the initial weights with a fresh optimizer, which takes over the
-    compiled graphs): the runs execute the same generated code and differ only in when each
-    gather's data lands. ``dynamic=False``: no graph the first run recompiled with dynamic
-    shapes serves the second run's first steps."""
+    graphs (:func:`models.runs_from_initial_state`): the runs execute the same generated code
+    and differ only in when each gather's data lands."""
     model = build(name)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
     cmodel = torch.compile(model, backend="fxzero", dynamic=False)  # Inductor
-    results = {}
-    for key, overlap in (("on", True), ("off", False)):
-        model.load_state_dict(initial)
-        results[key] = _train(name, model, cmodel, mxfp8=mxfp8, overlap=overlap)
-        gc.collect()  # the run's optimizer is gone: the next one may manage the params
-    return results
+    on, off = runs_from_initial_state(model, (True, False), lambda overlap: _train(name, model, cmodel, mxfp8=mxfp8, overlap=overlap))
+    return {"on": on, "off": off}
 
 
 def _train(name: str, model: torch.nn.Module, cmodel: Callable, *, mxfp8: bool, overlap: bool) -> dict:

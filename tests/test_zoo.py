@@ -23,7 +23,6 @@ measures the noise floor): ``pytest tests/test_zoo.py -s``.
 
 from __future__ import annotations
 
-import gc
 import os
 import time
 from typing import Any
@@ -41,7 +40,7 @@ from doubles import deferred_all_gather
 from models import batch as model_batch
 from models import build as build_model
 from models import loss_fn as model_loss
-from models import rank_step
+from models import rank_step, runs_from_initial_state
 from zoo import ZOO, Case
 
 LR, STEPS, GLOBAL, WORLD = 0.05, 3, 8, 2
@@ -100,21 +99,13 @@ def _train(case: Case, model: torch.nn.Module, cmodel: Any, *, overlap: bool) ->
 def _train_both(name: str) -> dict[str, Any]:
     """Overlap on, then off, through the same compiled graphs: the two runs execute the same
     generated code and differ only in when each gather's data lands, so any difference is a
-    read before its wait. The second run starts from the initial weights (and BatchNorm
-    statistics) with a fresh optimizer, which takes over the compiled graphs
-    (``test_binding.py``). ``dynamic=False``: a graph recompiled with dynamic shapes in the
-    first run would otherwise serve the second run's first steps."""
+    read before its wait (:func:`models.runs_from_initial_state`)."""
     start = time.perf_counter()
     case = _CASES[name]
     model = _build(case)
-    initial = {k: v.clone() for k, v in model.state_dict().items()}
     cmodel = torch.compile(model, backend="fxzero", dynamic=False, options={"inner_compiler": case.inner})
-    results = {}
-    for key, overlap in (("on", True), ("off", False)):
-        model.load_state_dict(initial)
-        results[key] = _train(case, model, cmodel, overlap=overlap)
-        gc.collect()  # the run's optimizer is gone: the next one may manage the params
-    return results | {"wall": time.perf_counter() - start}
+    on, off = runs_from_initial_state(model, (True, False), lambda overlap: _train(case, model, cmodel, overlap=overlap))
+    return {"on": on, "off": off, "wall": time.perf_counter() - start}
 
 
 def _reference(name: str, *, compiled: bool, world: int = WORLD) -> dict[str, Any]:
