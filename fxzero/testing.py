@@ -92,6 +92,10 @@ def _loads(payload: bytes) -> tuple[bool, Any]:
         return False, "its result could not be unpickled in the caller:\n" + traceback.format_exc()
 
 
+_GRACE = 2.0
+"""Seconds ranks asked to stop get to exit by themselves (an idle rank needs about one)."""
+
+
 class RankPool:
     """``world_size`` long-lived gloo ranks; :meth:`run` executes a function on all of them."""
 
@@ -165,13 +169,20 @@ class RankPool:
 
     def close(self) -> None:
         """Stop the ranks (politely if idle, by force after a short grace)."""
-        if self.closed:
-            return
-        self.closed = True
-        for q in self._tasks:
-            q.put(None)
+        self._ask_to_stop()
+        self._reap(time.monotonic() + _GRACE)
+
+    def _ask_to_stop(self) -> None:
+        if not self.closed:
+            self.closed = True
+            for q in self._tasks:
+                q.put(None)
+
+    def _reap(self, deadline: float) -> None:
+        """Wait for the ranks until ``deadline`` (one grace for all of them, not one each:
+        they exit side by side), then kill those still running."""
         for proc in self._procs:
-            proc.join(timeout=2.0)
+            proc.join(timeout=max(0.0, deadline - time.monotonic()))
             if proc.is_alive():
                 proc.kill()
                 proc.join()
@@ -194,8 +205,13 @@ def run_ranks(world_size: int, fn: Callable[..., Any], *args: Any, timeout: floa
 
 
 def close_pools() -> None:
-    for pool in _POOLS.values():
-        pool.close()
+    """Stop every pool's ranks, all pools at once (they exit side by side)."""
+    pools = list(_POOLS.values())
+    for pool in pools:
+        pool._ask_to_stop()
+    deadline = time.monotonic() + _GRACE
+    for pool in pools:
+        pool._reap(deadline)
     _POOLS.clear()
 
 

@@ -19,6 +19,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
 import fxzero
@@ -30,6 +31,21 @@ LR = 1e-2
 
 def _head(features: int) -> nn.Module:
     return nn.Sequential(nn.Flatten(), nn.Linear(features, 4))
+
+
+class SqueezeExcite(nn.Module):
+    """EfficientNet's block: a depthwise conv, then channel gates from two 1x1 convs on the
+    pooled features (the zoo's EfficientNet runs under the eager inner compiler; this is its
+    Inductor case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.expand, self.depthwise = nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, padding=1, groups=8)
+        self.reduce, self.gate, self.head = nn.Conv2d(8, 2, 1), nn.Conv2d(2, 8, 1), _head(8 * 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.silu(self.depthwise(self.expand(x)))
+        return self.head(x * torch.sigmoid(self.gate(F.silu(self.reduce(x.mean((2, 3), keepdim=True))))))
 
 
 class PatchEmbed(nn.Module):
@@ -49,6 +65,7 @@ _CASES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...], bool]] = {
     "conv2d": (lambda: nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), _head(8 * 16)), (4, 3, 8, 8), False),
     "conv3d": (lambda: nn.Sequential(nn.Conv3d(3, 4, 3), nn.ReLU(), _head(4 * 64)), (2, 3, 6, 6, 6), False),
     "depthwise": (lambda: nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, groups=8), _head(8 * 36)), (4, 3, 8, 8), False),
+    "squeeze_excite": (SqueezeExcite, (4, 3, 8, 8), False),
     "grouped": (lambda: nn.Sequential(nn.Conv2d(3, 8, 1), nn.Conv2d(8, 8, 3, groups=2), _head(8 * 36)), (4, 3, 8, 8), False),
     "conv_transpose": (lambda: nn.Sequential(nn.ConvTranspose2d(3, 4, 3, stride=2), nn.ReLU(), _head(4 * 81)), (2, 3, 4, 4), False),
     # no conv bias before a BatchNorm (as real nets): its true gradient is exactly 0 in training, so

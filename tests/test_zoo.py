@@ -1,6 +1,7 @@
 """The model zoo (:mod:`zoo`: timm and Hugging Face models nobody here wrote, plus the
 adapters and Python-routed experts of ``models.py``) trained by fxzero at world 2 under
-Inductor (the transformer families under the eager inner compiler: ``zoo.Case.inner``) with
+Inductor (the ViT, EfficientNet and transformer families under the eager inner compiler:
+``zoo.Case.inner`` says where their Inductor cases are) with
 the param all-gathers overlapping the forward (the mode with more to get wrong):
 
 * parity against single-process eager SGD with momentum on the same data, each rank's half run
