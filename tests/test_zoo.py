@@ -1,6 +1,6 @@
 """The model zoo (:mod:`zoo`: timm and Hugging Face models nobody here wrote, plus the
 adapters and Python-routed experts of ``models.py``) trained by fxzero at world 2 under
-Inductor (the ViT, EfficientNet and transformer families under the eager inner compiler:
+Inductor (ResNet and the adapters; the others under the eager inner compiler:
 ``zoo.Case.inner`` says where their Inductor cases are) with
 the param all-gathers overlapping the forward (the mode with more to get wrong):
 

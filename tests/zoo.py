@@ -46,13 +46,13 @@ class Case:
     loss: Callable[[nn.Module, Batch], torch.Tensor]
     inner: str = "inductor"
     """The inner compiler its test runs under: Inductor where Inductor's generated code is
-    the subject (ResNet's and ConvNeXt's convs, whose weights it copies to channels-last, and
-    BatchNorm); the eager one where the subject is fxzero's graphs of that family and its
-    Inductor case is elsewhere: the transformer families (tied weights, an encoder-decoder,
-    experts behind a graph break; ``test_hf_models.py`` and ``test_param_read_order.py``), the
-    ViT (its patch-embedding conv) and EfficientNet (depthwise convs, squeeze-excite), whose
-    layers ``test_conv_read_order.py`` checks in Inductor's code. A cold Inductor compile of
-    each of these cost the suite 10-30 s."""
+    the subject (ResNet: convs, whose weights it copies to channels-last, with BatchNorm and
+    strided shortcuts; the adapters picked in Python); the eager one where the subject is
+    fxzero's graphs of that family and its Inductor case is elsewhere: the transformer families
+    (tied weights, an encoder-decoder, experts behind a graph break; ``test_hf_models.py`` and
+    ``test_param_read_order.py``), the ViT (its patch-embedding conv), ConvNeXt and EfficientNet
+    (depthwise convs, squeeze-excite), whose layers ``test_conv_read_order.py`` checks in
+    Inductor's code. A cold Inductor compile of each of these cost the suite 10-35 s."""
 
 
 def _images(step: int, size: int) -> Batch:
@@ -114,7 +114,7 @@ ZOO: dict[str, Case] = {
     "resnet": Case(_timm("resnet10t", channels=(8, 16, 32, 64), stem_width=8), _images, _classify),
     "vit": Case(_timm("vit_tiny_patch16_224", img_size=64, patch_size=16, embed_dim=64, depth=2, num_heads=2), _images, _classify,
                 inner="eager"),
-    "convnext": Case(_timm("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 32, 64)), _images, _classify),
+    "convnext": Case(_timm("convnext_atto", depths=(1, 1, 1, 1), dims=(8, 16, 32, 64)), _images, _classify, inner="eager"),
     "efficientnet": Case(_timm("test_efficientnet"), _images, _classify, inner="eager"),  # depthwise convs, squeeze-excite
     "t5": Case(_t5, _text, _hf_loss, inner="eager"),
     "mixtral": Case(_mixtral, _text, _hf_loss, inner="eager"),
