@@ -30,6 +30,7 @@ __all__ = [
     "dtensor_global_offset",
     "dtensor_local",
     "dynamo_input_names",
+    "dynamo_runs_eagerly_at_top_level",
     "engine_accumulates_all",
     "group_ranks_by_name",
     "flat_input_positions",
@@ -210,6 +211,19 @@ def dynamo_input_names(gm: fx.GraphModule) -> list[str]:
         parts = _SOURCE_PART.findall(source if isinstance(source, str) else "")
         names.append(".".join(parts) if parts else node.name)
     return names
+
+
+def dynamo_runs_eagerly_at_top_level(fn: Callable[..., Any]) -> None:
+    """Dynamo runs ``fn``'s frames as they are when it meets them at the top level (called
+    by eager code inside a compiled region: a module's forward pre-hook after a graph break)
+    and still inlines ``fn`` where it traces a caller (the same hook, traced into the graph of
+    the module it runs for). ``torch._dynamo.eval_frame.skip_code`` (what
+    ``torch._dynamo.skip`` applies, without the ``_torchdynamo_disable`` mark that would make
+    Dynamo break the graph at every call). If it goes: do nothing (such a frame compiles into
+    a graph of its own, once per guard set, and runs as that graph: slower, the same effect)."""
+    from torch._dynamo.eval_frame import skip_code
+
+    skip_code(fn.__code__)
 
 
 def compile_id() -> Optional[Any]:

@@ -9,15 +9,18 @@ reference at once.
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.fx as fx
 from expecttest import TestCase
 
 import fxzero
 import fxzero.graph_compiler
+from fxzero.backend import fxzero_backend
 from fxzero.optim.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
@@ -190,3 +193,30 @@ def test_no_gather_outlives_a_profiler() -> None:
     leaves them in flight for the forward."""
     for under_profiler, outside in run_ranks(2, _profiled_step, timeout=120):
         assert (under_profiler, outside) == (False, True)
+
+
+def test_a_pre_hook_run_eagerly_in_a_compiled_region_is_not_compiled_on_its_own() -> None:
+    """GPT.forward graph-breaks in its block loop, so Dynamo runs it eagerly and the embedding,
+    final norm and head are called from eager code inside the compiled region: their param-wait
+    pre-hook runs as plain Python there. (Dynamo used to compile it into a graph of its own,
+    once per module type: a cold compile each, and a guarded graph call per module per step.)
+    Traced into a module's graph, the hook still leaves its entry mark (test_param_read_order)."""
+    graphs: list[fx.GraphModule] = []
+
+    def recording(gm: fx.GraphModule, example_inputs: Any) -> Any:
+        graphs.append(gm)
+        return fxzero_backend(gm, example_inputs, options={"inner_compiler": "eager"})
+
+    model = build("gpt_loop_break")
+    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model)
+    cmodel = torch.compile(model, backend=recording)
+    for step in range(2):
+        x, y = batch("gpt_loop_break", step, 4)
+        loss_fn("gpt_loop_break", cmodel(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    torch.compiler.reset()
+    targets = [{str(n.target) for n in gm.graph.nodes if n.op == "call_function"} for gm in graphs]
+    marker = str(torch.ops.fxzero.module_entered)  # as Dynamo records it: the op packet
+    assert graphs and all(t - {marker} for t in targets), f"a graph of the hook alone: {targets}"
+    assert any(marker in t for t in targets), "the block graphs mark their modules' entries"

@@ -41,7 +41,7 @@ from typing import Any, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import profiler_enabled
+from .._torch_compat import dynamo_runs_eagerly_at_top_level, profiler_enabled
 from .buffers import Bucket
 from .comm import DataParallelGroup
 from .param_table import ParamTable
@@ -281,6 +281,12 @@ class _WaitBeforeForward(_SyncHook):
                 "DistributedOptimizer that does not manage its params (a copy of a managed module?)"
             )
         self.sync.wait_many(buckets)
+
+
+# Run eagerly (a module called by eager code, after a graph break, inside a compiled
+# region), the hook is plain Python: Dynamo would otherwise compile it into a graph of its
+# own, once per module type it guards on, for a wait that needs no graph.
+dynamo_runs_eagerly_at_top_level(_WaitBeforeForward.__call__)
 
 
 def install_param_waits(module: torch.nn.Module, table: ParamTable, sync: ParamSync) -> list[Any]:
