@@ -95,10 +95,12 @@ def _t5() -> nn.Module:
 
 
 def _mixtral() -> nn.Module:
-    # 8 experts, 2 per token, 8 tokens per rank: most steps leave some expert without tokens on a rank
+    # 8 experts, 2 per token, 8 tokens per rank: most steps leave some expert without tokens on a rank.
+    # experts_implementation="eager": the loop over the experts some token picked (its graph breaks on
+    # ``nonzero``); transformers 5 defaults to a grouped-matmul fallback without that loop
     config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                            num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=16,
-                           tie_word_embeddings=False)  # fmt: skip
+                           tie_word_embeddings=False, experts_implementation="eager")  # fmt: skip
     return MixtralForCausalLM(config)
 
 
