@@ -17,7 +17,7 @@ _REPO = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_a_lost_node_fails_its_peers_fast_and_a_replacement_node_resumes_to_the_same_end() -> None:
-    """~40 s: two 2-node jobs at once, one optimizer instance per node (hierarchical sharding:
+    """~35 s: two 2-node jobs at once, one optimizer instance per node (hierarchical sharding:
     the state sharded inside a node, one copy per node), eager (uncompiled) so the drill's
     subject (rendezvous, loss, restart, resume) is not buried under four cold Inductor compiles."""
     proc = subprocess.run(
