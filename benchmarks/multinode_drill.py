@@ -44,6 +44,8 @@ from pathlib import Path
 from restart_drill import MODEL, REPO, final_tensors, last_losses
 
 _ERROR = re.compile(r"CollectiveError")
+HEARTBEAT = "keep_alive_interval=1,keep_alive_max_attempt=3"
+"""The rendezvous counts a node dead after 3 missed 1-second beats (torchrun's default: 5 s x 3)."""
 
 
 def free_port() -> int:
@@ -52,19 +54,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def agent_command(node: int, port: int, job_id: str, ckpt_dir: Path, args: argparse.Namespace, lose_at: int | None) -> list[str]:
+    """Node ``node``'s torchrun command (``lose_at``: the node-lost job's, with a restart)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(args.nproc_per_node)]
+    cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job_id]
+    cmd += ["--rdzv-conf", f"is_host={int(node == 0)},{HEARTBEAT}", "--monitor-interval", "3"]
+    cmd += ["--max-restarts", "1"] if lose_at else []
+    cmd += [str(REPO / "benchmarks" / "restart_drill_worker.py")]
+    cmd += ["--lose-node-at", str(lose_at), "--marker", str(ckpt_dir / "node_lost")] if lose_at else []
+    cmd += ["--steps", str(args.steps), "--log-every", "1", *MODEL, *shlex.split(args.train_args)]
+    cmd += ["--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(args.ckpt_every), "--compile", args.compile]
+    return cmd
+
+
 class Agent:
     """One torchrun agent ("node") in its own session, its output collected line by line with
     the time each line arrived (the drill times the survivors' error from the kill)."""
 
     def __init__(self, node: int, port: int, job_id: str, ckpt_dir: Path, args: argparse.Namespace, lose_at: int | None) -> None:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(args.nproc_per_node)]
-        cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job_id]
-        cmd += ["--rdzv-conf", f"is_host={int(node == 0)},keep_alive_interval=1,keep_alive_max_attempt=3", "--monitor-interval", "3"]
-        cmd += ["--max-restarts", "1"] if lose_at else []
-        cmd += [str(REPO / "benchmarks" / "restart_drill_worker.py")]
-        cmd += ["--lose-node-at", str(lose_at), "--marker", str(ckpt_dir / "node_lost")] if lose_at else []
-        cmd += ["--steps", str(args.steps), "--log-every", "1", *MODEL, *shlex.split(args.train_args)]
-        cmd += ["--ckpt-dir", str(ckpt_dir), "--ckpt-every", str(args.ckpt_every), "--compile", args.compile]
+        cmd = agent_command(node, port, job_id, ckpt_dir, args, lose_at)
         env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
         self.lines: list[tuple[float, str]] = []
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)

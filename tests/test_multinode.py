@@ -5,6 +5,7 @@ optimizer instance per node."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -31,3 +32,18 @@ def test_a_lost_node_fails_its_peers_fast_and_a_replacement_node_resumes_to_the_
     assert "resumed from step 3" in out and "losses of steps 1..8 equal as printed: True" in out
     seconds = float(re.search(r"node 0 raised CollectiveError after ([\d.]+) s", out).group(1))
     assert seconds < 10, out  # the next collective fails at once; no rank waits for the process-group timeout
+
+
+def test_the_drills_agents_count_a_silent_node_dead_after_three_seconds() -> None:
+    """The README: the drill's agents pass keep_alive_interval=1,keep_alive_max_attempt=3 in
+    --rdzv-conf (torchrun's default kept the survivors ~15 s waiting for the lost node)."""
+    sys.path.insert(0, str(_REPO / "benchmarks"))
+    try:
+        import multinode_drill
+    finally:
+        sys.path.remove(str(_REPO / "benchmarks"))
+    args = argparse.Namespace(nproc_per_node=2, steps=8, train_args="", ckpt_every=3, compile="none")
+    for node in (0, 1):
+        cmd = multinode_drill.agent_command(node, 29500, "job", _REPO, args, lose_at=5)
+        conf = dict(kv.split("=") for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
+        assert conf == {"is_host": str(int(node == 0)), "keep_alive_interval": "1", "keep_alive_max_attempt": "3"}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -161,3 +162,24 @@ def test_zoo_model_trains_like_eager_with_overlap_on_equal_off(name: str, world:
     assert loss_diff <= max(1e-5, 2 * floor[0]), (loss_diff, floor)
     assert param_diff <= max(1e-4, 2 * floor[1]), (param_diff, floor)
     assert reference["moved"] > 10 * max(1e-4, 2 * floor[1]), "the params must move well past the tolerance"
+
+
+_README_ROW = {"resnet": "timm resnet10t", "vit": "timm vit_tiny", "convnext": "timm convnext_atto",
+               "efficientnet": "timm test_efficientnet", "t5": "HF T5", "mixtral": "HF Mixtral",
+               "whisper": "HF Whisper", "routed_experts": "adapters routed"}  # fmt: skip
+
+
+def test_the_readme_zoo_table_names_each_models_inner_compiler() -> None:
+    """The README's zoo table (and its text: ResNet and the adapters under Inductor) says which
+    inner compiler each model's test runs under: the one ``zoo.Case.inner`` gives it."""
+    rows = [r for r in (Path(__file__).parents[1] / "README.md").read_text().splitlines() if r.startswith(("| timm", "| HF", "| adapters"))]
+    shown = {name: [r.split(" | ")[2] for r in rows if r.startswith(f"| {label} ")] for name, label in _README_ROW.items()}
+    assert shown == {name: [case.inner.replace("inductor", "Inductor")] for name, case in _CASES.items()}
+    assert {name for name, case in _CASES.items() if case.inner == "inductor"} == {"resnet", "routed_experts"}
+
+
+def test_mixtral_runs_the_loop_over_the_experts_picked() -> None:
+    """transformers 5 defaults Mixtral's experts to a grouped-matmul fallback; the zoo's
+    Mixtral is the loop over the experts some token picked (its graph breaks on ``nonzero``)."""
+    model = _build(_CASES["mixtral"])
+    assert model.config._experts_implementation == "eager"
