@@ -255,17 +255,18 @@ class _FinishFirst(_SyncHook):
 
 
 class _WaitBeforeForward(_SyncHook):
-    """One forward pre-hook object shared by every module that owns managed params: it
-    waits for the buckets of the module's own params. Shared, and reading nothing while
-    Dynamo traces it, so compiling identical blocks guards on nothing that differs
-    between them and one compiled graph serves them all (a hook per module carrying its
-    bucket indices made Dynamo recompile every block)."""
+    """The forward pre-hook of one module that owns managed params: it waits for the
+    buckets of the module's own params. Traced by Dynamo it reads nothing of itself, so
+    identical blocks' hooks, one object each, are guarded by their type alone and one
+    compiled graph serves every block. (A hook whose traced path read its bucket indices
+    made Dynamo recompile every block; one object shared by all modules made it check, on
+    every call of a block's graph, that the block's modules still share it: a guard in
+    Python, one per module after the first.)"""
 
-    def __init__(self, sync: ParamSync, modules: Sequence[tuple[torch.nn.Module, tuple[int, ...]]]) -> None:
-        self.sync = sync
-        self.buckets_of_module = {id(m): (weakref.ref(m), buckets) for m, buckets in modules}
-        """``id(module) -> (weakref to it, its buckets)``: the weakref confirms the whole
-        identity (an id alone could be a later object's, once the module is gone)."""
+    def __init__(self, sync: ParamSync, module: torch.nn.Module, buckets: tuple[int, ...]) -> None:
+        self.sync, self.buckets = sync, buckets
+        self.module = weakref.ref(module)
+        """Confirms the module is the one hooked (a copy holding this hook is not)."""
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
         # In a compiled region the graph's own fxzero::wait_params ops order the reads; the
@@ -274,13 +275,12 @@ class _WaitBeforeForward(_SyncHook):
         if torch.compiler.is_compiling():
             torch.ops.fxzero.module_entered([p for p in module._parameters.values() if p is not None])
             return
-        ref, buckets = self.buckets_of_module.get(id(module), (None, ()))
-        if ref is None or ref() is not module:
+        if self.module() is not module:
             raise RuntimeError(
                 f"fxzero: module {type(module).__name__} carries the param-gather hook of a "
                 "DistributedOptimizer that does not manage its params (a copy of a managed module?)"
             )
-        self.sync.wait_many(buckets)
+        self.sync.wait_many(self.buckets)
 
 
 # Run eagerly (a module called by eager code, after a graph break, inside a compiled
@@ -299,8 +299,7 @@ def install_param_waits(module: torch.nn.Module, table: ParamTable, sync: ParamS
         owned = {table.bucket_of_slot[s] for s in slots if s is not None}
         if owned:
             owners[id(sub)] = (sub, tuple(sorted(owned, reverse=True)))
-    hook = _WaitBeforeForward(sync, list(owners.values()))
-    handles = [sub.register_forward_pre_hook(hook) for sub, _ in owners.values()]
+    handles = [sub.register_forward_pre_hook(_WaitBeforeForward(sync, sub, buckets)) for sub, buckets in owners.values()]
     handles.append(module.register_state_dict_pre_hook(_FinishFirst(sync)))
     handles.append(module.register_load_state_dict_pre_hook(_FinishFirst(sync)))
     return handles

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, Iterator, Optional, Sequence
+import operator
+from typing import Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 
@@ -32,6 +33,7 @@ from .._torch_compat import foreach_mul_, foreach_norm
 from .comm import DataParallelGroup
 from .grad_sync import GradReductions
 from .hand_grads import HandGrad
+from .fragment_norms import FragmentNorms
 from .ledger import Ledger
 from .mesh import MeshNorms
 from .shards import BucketShard, FragmentTensor
@@ -61,16 +63,19 @@ class ReducedGrads:
         self._shard_grads = [s.main_grad for s in shards]
         self._slot_list = [f.slot for f in fragments]
         self._slots = torch.tensor(self._slot_list, dtype=torch.int64, device=device)
+        self._fragment_norms = FragmentNorms(self._grads, torch.empty(len(fragments), dtype=torch.float32, device=device))
+        measured = [self._slot_list[i] for i in self._fragment_norms.order]
+        self._measured_slots = torch.tensor(measured, dtype=torch.int64, device=device)
+        """The slot of each fragment norm, in the order :class:`FragmentNorms` writes them."""
         self._of_slot: list[list[FragmentTensor]] = [[] for _ in range(n)]
         for frag in fragments:
             self._of_slot[frag.slot].append(frag)
         self._stats = torch.zeros(2 * n, dtype=torch.float64, device=device)
         # made once: the step path neither slices nor allocates them
         self._got_stats, self._square_stats = self._stats[:n], self._stats[n:]
-        self._norms = torch.empty(len(fragments), dtype=torch.float32, device=device)
-        self._one_each = self._slot_list == list(range(n))
-        """Every param has exactly one fragment here, in slot order (world size 1, or params
-        that no shard boundary splits): each square lands in its own stat as is."""
+        self._alone = _placer(measured, n) if dp.size == 1 and mesh_norms is None else None
+        """At world size 1 with no other mesh dim: puts the fragments' squares (in
+        :class:`FragmentNorms`' order) in slot order; ``None`` where they are summed over ranks."""
         self._scale = [1.0] * n
         self._scaled = False
         self.reset()
@@ -96,20 +101,32 @@ class ReducedGrads:
         self._finished = True
 
     def _measure(self) -> None:
-        """One all-reduce: per-param presence counts and squared norms."""
+        """Per-param presence and squared norms, summed over ranks: one all-reduce."""
         if self._squares:
             return
         self.finish()
+        if self._alone is not None:
+            self._measure_alone(self._alone)
+        else:
+            self._measure_together()
+        self._count_hand()
+
+    def _measure_alone(self, place: Callable[[Sequence[float]], Sequence[float]]) -> None:
+        """Nothing to sum over (world size 1, no other mesh dim) and one fragment per param:
+        Python floats straight from the norms. A product of two fp32 values is exact in
+        fp64, so each square has the bits the tensor path's fp64 ``square()`` gives, in one
+        read of the norms instead of six small kernels."""
+        norms = self._fragment_norms.compute().tolist()
+        self._got = list(map(float, self.ledger.presence))  # got: a count of ranks, 0.0 for none
+        self._squares = list(place(list(map(operator.mul, norms, norms))))
+
+    def _measure_together(self) -> None:
         n, stats, squares = self.num_params, self._stats, self._square_stats
         self._got_stats.copy_(self.ledger.presence_tensor)
         if self._grads:
             # per-fragment norms in fp32 (as clip_grad_norm_ does; fp64 elements cost 16x), squared
             # and summed per param in fp64
-            torch.stack(foreach_norm(self._grads, 2), out=self._norms)
-            if self._one_each:  # a sum of one: the square itself (what adding it to 0.0 gives)
-                squares.copy_(self._norms).square_()
-            else:
-                squares.zero_().index_add_(0, self._slots, self._norms.double().square())
+            squares.zero_().index_add_(0, self._measured_slots, self._fragment_norms.compute().double().square())
         else:
             squares.zero_()
         self.dp.all_reduce_sum(stats)
@@ -117,7 +134,6 @@ class ReducedGrads:
             self.mesh_norms.sum_once(squares)
         values = stats.tolist()
         self._got, self._squares = values[:n], values[n:]  # got: a count of ranks, 0.0 for none
-        self._count_hand()
 
     def _count_hand(self) -> None:
         for slot, square in self._hand.items():
@@ -240,3 +256,16 @@ class ReducedGrads:
         finally:
             for frag in hidden:
                 frag.param.grad = frag.grad
+
+
+def _placer(measured: Sequence[int], n: int) -> Optional[Callable[[Sequence[float]], Sequence[float]]]:
+    """``values`` in ``measured`` order (each slot once) -> the same values in slot order, in C;
+    ``None`` when ``measured`` is not every slot exactly once."""
+    if sorted(measured) != list(range(n)) or n == 0:
+        return None
+    if n == 1:
+        return lambda values: values
+    where = [0] * n
+    for position, slot in enumerate(measured):
+        where[slot] = position
+    return operator.itemgetter(*where)
