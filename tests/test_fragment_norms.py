@@ -77,6 +77,10 @@ def test_tensors_off_the_exact_path_keep_foreach_norm() -> None:
     norms = FragmentNorms(frags, torch.empty(3, dtype=torch.float64))
     assert norms.order == (0, 1, 2) and not norms._views
     assert torch.equal(norms.compute(), torch.stack(torch._foreach_norm(frags, 2)))
+    with_empty = [torch.randn(8), torch.randn(0), torch.randn(0)]  # empty storages may share a null address
+    norms = FragmentNorms(with_empty, torch.empty(3))
+    assert norms.order == (0, 1, 2) and not norms._views
+    assert torch.equal(norms.compute(), torch.stack(torch._foreach_norm(with_empty, 2)))
 
 
 def test_step_reports_the_global_norm_of_clip_grad_norm_bit_for_bit() -> None:

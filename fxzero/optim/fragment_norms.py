@@ -120,5 +120,8 @@ class FragmentNorms:
 
 
 def _runs_apply(grad: torch.Tensor) -> bool:
-    """Where a row of a strided view is normed exactly as the tensor alone (see the module docstring)."""
-    return grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.is_contiguous() and grad.layout == torch.strided
+    """Where a row of a strided view is normed exactly as the tensor alone (see the module
+    docstring); empty fragments too are left to ``torch._foreach_norm`` (their storages may
+    share a null address, the key runs are grouped by)."""
+    exact = grad.device.type == "cpu" and grad.dtype == torch.float32 and grad.layout == torch.strided
+    return exact and grad.is_contiguous() and grad.numel() > 0
