@@ -115,7 +115,9 @@ ENTRY_POINTS = (
     ("    of which launching", "optim/grad_sync.py", "_launch"),
     ("forward counting: the ledger's count", "optim/binding.py", "forward_ran"),
     ("forward counting: finding the autograd node", "optim/binding.py", "backward_node"),
+    ("eager post-accumulate hooks (no gradient: handed off)", "optim/grad_sync.py", "hook"),
     ("end of backward (launch rest + grad views)", "optim/grad_sync.py", "_end_of_backward"),
+    ("  of which the .grad views", "optim/grad_views.py", "install"),
     ("step()", "fxzero/distributed_optimizer.py", "step"),
     ("  of which the global grad norm", "optim/reduced_grads.py", "total_norm"),
 )
