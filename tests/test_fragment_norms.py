@@ -62,7 +62,7 @@ def test_runs_give_the_bits_of_foreach_norm(threads: int) -> None:
         rng = random.Random(threads)
         for _ in range(200):
             _, frags = _random_fragments(rng)
-            norms = FragmentNorms(frags, torch.empty(len(frags)))
+            norms = FragmentNorms(frags)
             got = norms.compute()
             expected = torch.stack(torch._foreach_norm(frags, 2))[list(norms.order)]
             assert torch.equal(got, expected)
@@ -74,13 +74,27 @@ def test_runs_give_the_bits_of_foreach_norm(threads: int) -> None:
 def test_tensors_off_the_exact_path_keep_foreach_norm() -> None:
     flat = torch.randn(64, dtype=torch.float64)
     frags = [flat[:8], flat[8:16], flat[16:24]]
-    norms = FragmentNorms(frags, torch.empty(3, dtype=torch.float64))
+    norms = FragmentNorms(frags)
     assert norms.order == (0, 1, 2) and not norms._views
     assert torch.equal(norms.compute(), torch.stack(torch._foreach_norm(frags, 2)))
     with_empty = [torch.randn(8), torch.randn(0), torch.randn(0)]  # empty storages may share a null address
-    norms = FragmentNorms(with_empty, torch.empty(3))
+    norms = FragmentNorms(with_empty)
     assert norms.order == (0, 1, 2) and not norms._views
     assert torch.equal(norms.compute(), torch.stack(torch._foreach_norm(with_empty, 2)))
+
+
+def test_an_optimizer_over_repeated_blocks_norms_each_kind_of_fragment_in_one_call() -> None:
+    """What the README's code map says: four blocks of six params, at most one call per kind
+    of param (here five: the two 512-element weights of all blocks lie evenly spaced), not 24."""
+    torch.manual_seed(0)
+    blocks = [torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)) for _ in range(4)]
+    model = torch.nn.Sequential(*blocks)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model)
+    norms = opt.reduced._fragment_norms
+    assert 1 <= len(norms._views) <= 6 and sorted(norms.order) == list(range(24))
+    model(torch.randn(8, 16)).square().mean().backward()
+    grads = [f.grad for f in opt.fragments]
+    assert torch.equal(norms.compute(), torch.stack(torch._foreach_norm(grads, 2))[list(norms.order)])
 
 
 def test_step_reports_the_global_norm_of_clip_grad_norm_bit_for_bit() -> None:

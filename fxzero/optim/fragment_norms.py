@@ -90,33 +90,34 @@ def _chains(members: Sequence[tuple[int, int]], numel: int, spacing: int) -> lis
 
 
 class FragmentNorms:
-    """L2 norms of a fixed list of gradient fragments, written into a preallocated vector in
-    :attr:`order` (the step path makes no view and allocates nothing)."""
+    """L2 norms of a fixed list of gradient fragments, written into a vector made once, in
+    :attr:`order` (on the runs' path the step makes no view and allocates nothing)."""
 
-    def __init__(self, grads: Sequence[torch.Tensor], out: torch.Tensor) -> None:
-        self._grads, self._out = list(grads), out
+    def __init__(self, grads: Sequence[torch.Tensor]) -> None:
+        self._grads = list(grads)
+        self._out = torch.empty(len(grads), dtype=grads[0].dtype if grads else torch.float32, device=grads[0].device if grads else None)
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
-        if grads and all(_runs_apply(g) for g in grads):
-            places = [(g.untyped_storage().data_ptr(), g.storage_offset(), g.numel()) for g in grads]
-            runs = plan_norm_runs(places)
-            start = 0
-            for run in runs:
-                view = grads[run.fragments[0]].as_strided((len(run.fragments), run.numel), (run.stride, 1), run.offset)
-                self._views.append((view, out[start : start + len(run.fragments)]))
-                start += len(run.fragments)
-            self.order: tuple[int, ...] = tuple(i for run in runs for i in run.fragments)
-        else:
-            self.order = tuple(range(len(grads)))
+        runs = plan_norm_runs([_place(g) for g in grads]) if grads and all(map(_runs_apply, grads)) else ()
+        start = 0
+        for run in runs:
+            view = grads[run.fragments[0]].as_strided((len(run.fragments), run.numel), (run.stride, 1), run.offset)
+            self._views.append((view, self._out[start : start + len(run.fragments)]))
+            start += len(run.fragments)
+        self.order: tuple[int, ...] = tuple(i for run in runs for i in run.fragments) if runs else tuple(range(len(grads)))
         """Fragment index of each entry of the output vector."""
 
     def compute(self) -> torch.Tensor:
-        """Each fragment's L2 norm (fp32), in :attr:`order`."""
+        """Each fragment's L2 norm, in :attr:`order`."""
         if self._views:
             for view, out in self._views:
                 torch.linalg.vector_norm(view, dim=1, out=out)
         elif self._grads:
             torch.stack(foreach_norm(self._grads, 2), out=self._out)
         return self._out
+
+
+def _place(grad: torch.Tensor) -> tuple[int, int, int]:
+    return grad.untyped_storage().data_ptr(), grad.storage_offset(), grad.numel()
 
 
 def _runs_apply(grad: torch.Tensor) -> bool:

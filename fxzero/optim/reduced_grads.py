@@ -32,8 +32,8 @@ import torch
 from .._torch_compat import foreach_mul_, foreach_norm
 from .comm import DataParallelGroup
 from .grad_sync import GradReductions
-from .hand_grads import HandGrad
 from .fragment_norms import FragmentNorms
+from .hand_grads import HandGrad
 from .ledger import Ledger
 from .mesh import MeshNorms
 from .shards import BucketShard, FragmentTensor
@@ -63,7 +63,7 @@ class ReducedGrads:
         self._shard_grads = [s.main_grad for s in shards]
         self._slot_list = [f.slot for f in fragments]
         self._slots = torch.tensor(self._slot_list, dtype=torch.int64, device=device)
-        self._fragment_norms = FragmentNorms(self._grads, torch.empty(len(fragments), dtype=torch.float32, device=device))
+        self._fragment_norms = FragmentNorms(self._grads)
         measured = [self._slot_list[i] for i in self._fragment_norms.order]
         self._measured_slots = torch.tensor(measured, dtype=torch.int64, device=device)
         """The slot of each fragment norm, in the order :class:`FragmentNorms` writes them."""
