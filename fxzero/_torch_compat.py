@@ -226,6 +226,17 @@ def dynamo_runs_eagerly_at_top_level(fn: Callable[..., Any]) -> None:
     skip_code(fn.__code__)
 
 
+def undisabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` without the ``torch._dynamo.disable`` wrapper AOTAutograd's backend puts on
+    the function it returns. Dynamo disables whatever a backend returns, so a backend that
+    wraps that function in its own Python would otherwise pay two disable layers (four
+    ``set_eval_frame`` calls and more) on every graph call. ``torch._dynamo.eval_frame.innermost_fn``;
+    if gone: ``fn`` itself (one layer more per call, the same effect)."""
+    from torch._dynamo.eval_frame import innermost_fn
+
+    return innermost_fn(fn)
+
+
 def compile_id() -> Optional[Any]:
     """The Dynamo compile id of the compile in progress (``[0/0]``), for dump titles and
     trace artifacts. ``torch._guards.CompileContext.current_compile_id()``; if gone: None."""

@@ -135,7 +135,8 @@ class GraphCompiler:
         if not self.handed:
             return compiled
         groups = [tuple(m.position for m in self.dynamo_handed if m.owner == o) for o in range(self.owners)]
-        return counting_forward(self.id, groups, lambda: self.delivered, compiled)
+        # Dynamo disables the wrapper as it would ``compiled``: one disable layer per call, not two.
+        return counting_forward(self.id, groups, lambda: self.delivered, compat.undisabled(compiled))
 
     # ---- internals ---------------------------------------------------------------------
     def _run(self, kind: str, gm: fx.GraphModule, example_inputs: Any, passes: Passes) -> fx.GraphModule:

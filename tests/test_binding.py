@@ -4,7 +4,9 @@
   in a fresh process, memory growth compared with plain torch.compile + torch.optim);
 * a new optimizer over the params of an already-compiled model takes over its graphs and
   trains exactly like torch.optim; without one, the compiled model says what to call;
-* a graph Dynamo reuses for N identical blocks is compiled once, not once per block.
+* a graph Dynamo reuses for N identical blocks is compiled once, not once per block;
+* a call of a compiled graph leaves Dynamo as often as under plain torch.compile (the
+  counting wrapper is not disabled twice).
 """
 
 from __future__ import annotations
@@ -158,3 +160,26 @@ def test_a_graph_reused_for_n_blocks_compiles_once() -> None:
     assert managed.count(per_block) == 1, managed
     expected = train_steps("gpt", reference, torch.optim.AdamW(reference.parameters(), lr=LR), range(3), 4)
     torch.testing.assert_close(losses, expected, atol=1e-5, rtol=0)
+
+
+# ---- per-call cost ----------------------------------------------------------------------
+def _eval_frame_switches(backend: str, module: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
+    """How often one forward of ``module`` compiled with ``backend`` sets Dynamo's frame evaluation."""
+    cmodel = torch.compile(module, backend=backend, **({"options": {"inner_compiler": "eager"}} if backend == "fxzero" else {}))
+    x = torch.randn(4, 8)
+    cmodel(x).sum().backward()  # compiles
+    opt.zero_grad()
+    from torch._dynamo import eval_frame
+
+    with mock.patch.object(eval_frame, "set_eval_frame", side_effect=eval_frame.set_eval_frame) as switches:
+        cmodel(x).sum().backward()
+    return switches.call_count
+
+
+def test_a_compiled_graph_call_leaves_dynamo_once_like_plain_torch_compile() -> None:
+    torch.compiler.reset()
+    plain_model, model = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    plain = _eval_frame_switches("aot_eager", plain_model, torch.optim.AdamW(plain_model.parameters()))
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, module=model)
+    assert plain > 0
+    assert _eval_frame_switches("fxzero", model, opt) == plain

@@ -217,7 +217,12 @@ class GraphBinding:
 
     # ---- fxzero::wait_params --------------------------------------------------------
     def wait(self, params: Sequence[torch.Tensor]) -> None:
-        """Make ``params`` current: wait for (and land) their buckets' gathers."""
+        """Make ``params`` current: wait for (and land) their buckets' gathers. With no bucket
+        stale (world size 1; the first forward, which reads the initial broadcast; every
+        gather landed) it returns at once: ``params`` are first checked to be managed params
+        (not a compiler's copies) at the first wait that could have read a stale value."""
+        if not self.param_sync.stale:
+            return
         key = identity(params)
         buckets = self._wait_buckets.get(key)
         if buckets is None:

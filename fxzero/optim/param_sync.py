@@ -131,6 +131,9 @@ class ParamSync:
             self._position[index] = position
         self._works: list[Optional[dist.Work]] = [None] * n
         self._stale = [False] * n  # gathered values not yet waited for this step
+        self.stale = 0
+        """How many buckets are stale: 0 (world size 1, or every gather landed) lets a
+        compiled graph's wait return before looking its params up."""
         self._next_launch = n  # position in self.order of the next gather to launch
 
     def start(self) -> None:
@@ -139,6 +142,7 @@ class ParamSync:
             return
         for index in range(len(self.buckets)):
             self._stale[index] = True
+        self.stale = len(self.buckets)
         self._next_launch = 0
         # Under torch.profiler the gathers finish inside the step: a profiler that stops
         # while gloo work started under it is in flight crashed the next wait (torch 2.13).
@@ -170,6 +174,7 @@ class ParamSync:
             self._works[index] = None
         self.gather.land(index)
         self._stale[index] = False
+        self.stale -= 1
 
     def wait_many(self, indices: Sequence[int]) -> None:
         for index in indices:
