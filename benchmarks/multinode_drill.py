@@ -55,10 +55,12 @@ def free_port() -> int:
 
 
 def agent_command(node: int, port: int, job_id: str, ckpt_dir: Path, args: argparse.Namespace, lose_at: int | None) -> list[str]:
-    """Node ``node``'s torchrun command (``lose_at``: the node-lost job's, with a restart)."""
+    """Node ``node``'s torchrun command (``lose_at``: the node-lost job's, with a restart). The agent
+    looks at its workers every second (``--monitor-interval 1``): its restart, and its end, follow
+    its workers' exit within a second."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(args.nproc_per_node)]
     cmd += ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", job_id]
-    cmd += ["--rdzv-conf", f"is_host={int(node == 0)},{HEARTBEAT}", "--monitor-interval", "3"]
+    cmd += ["--rdzv-conf", f"is_host={int(node == 0)},{HEARTBEAT}", "--monitor-interval", "1"]
     cmd += ["--max-restarts", "1"] if lose_at else []
     cmd += [str(REPO / "benchmarks" / "restart_drill_worker.py")]
     cmd += ["--lose-node-at", str(lose_at), "--marker", str(ckpt_dir / "node_lost")] if lose_at else []

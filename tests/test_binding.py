@@ -6,7 +6,7 @@
   trains exactly like torch.optim; without one, the compiled model says what to call;
 * a graph Dynamo reuses for N identical blocks is compiled once, not once per block;
 * a call of a compiled graph leaves Dynamo as often as under plain torch.compile (the
-  counting wrapper is not disabled twice).
+  counting wrapper is not disabled twice), and its wait returns at once when nothing is stale.
 """
 
 from __future__ import annotations
@@ -183,3 +183,25 @@ def test_a_compiled_graph_call_leaves_dynamo_once_like_plain_torch_compile() -> 
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, module=model)
     assert plain > 0
     assert _eval_frame_switches("fxzero", model, opt) == plain
+
+
+def test_a_wait_with_no_stale_bucket_looks_nothing_up() -> None:
+    """World size 1 gathers nothing: a compiled graph's ``wait_params`` returns before resolving
+    its params (the cache it would fill stays empty), and training is unchanged."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
+    reference.load_state_dict(model.state_dict())
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model)
+    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        for m, o in ((cmodel, opt), (reference, ref_opt)):
+            m(x).square().mean().backward()
+            o.step()
+            o.zero_grad()
+    assert opt.param_sync.stale == 0 and opt.binding._wait_buckets == {}
+    for a, b in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(a, b)
