@@ -163,9 +163,13 @@ def test_a_graph_reused_for_n_blocks_compiles_once() -> None:
 
 
 # ---- per-call cost ----------------------------------------------------------------------
-def _eval_frame_switches(backend: str, module: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
-    """How often one forward of ``module`` compiled with ``backend`` sets Dynamo's frame evaluation."""
-    cmodel = torch.compile(module, backend=backend, **({"options": {"inner_compiler": "eager"}} if backend == "fxzero" else {}))
+def _eval_frame_switches(module: torch.nn.Module, opt: torch.optim.Optimizer, inner: str, fxzero_backend: bool) -> int:
+    """How often one training step of ``module`` compiled (fxzero or the plain counterpart of
+    ``inner``) sets Dynamo's frame evaluation."""
+    if fxzero_backend:
+        cmodel = torch.compile(module, backend="fxzero", options={"inner_compiler": inner})
+    else:
+        cmodel = torch.compile(module, backend="inductor" if inner == "inductor" else "aot_eager")
     x = torch.randn(4, 8)
     cmodel(x).sum().backward()  # compiles
     opt.zero_grad()
@@ -176,13 +180,14 @@ def _eval_frame_switches(backend: str, module: torch.nn.Module, opt: torch.optim
     return switches.call_count
 
 
-def test_a_compiled_graph_call_leaves_dynamo_once_like_plain_torch_compile() -> None:
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_compiled_graph_call_leaves_dynamo_once_like_plain_torch_compile(inner: str) -> None:
     torch.compiler.reset()
     plain_model, model = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
-    plain = _eval_frame_switches("aot_eager", plain_model, torch.optim.AdamW(plain_model.parameters()))
+    plain = _eval_frame_switches(plain_model, torch.optim.AdamW(plain_model.parameters()), inner, fxzero_backend=False)
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, module=model)
     assert plain > 0
-    assert _eval_frame_switches("fxzero", model, opt) == plain
+    assert _eval_frame_switches(model, opt, inner, fxzero_backend=True) == plain
 
 
 def test_a_wait_with_no_stale_bucket_looks_nothing_up() -> None:
