@@ -2,7 +2,7 @@
 
 Run it from the repository root (one process, world size 1, CPU, Inductor; ~2 minutes):
 
-    python benchmarks/graph_overhead.py [--blocks 8] [--steps 60]
+    python benchmarks/graph_overhead.py [--blocks 8] [--steps 60] [--device cpu|cuda]
 
 A toy of ``--blocks`` small residual blocks with a graph break after each: Dynamo compiles
 ``Block.forward`` once and calls that graph once per block, so any Python the backend adds
@@ -65,11 +65,12 @@ class Toy(nn.Module):
 PHASES = ("forward", "backward", "step", "zero_grad")
 
 
-def _configs(blocks: int, phases: dict[str, dict[str, list[float]]]) -> dict[str, Callable[[torch.Tensor], float]]:
+def _configs(blocks: int, phases: dict[str, dict[str, list[float]]], device: str) -> dict[str, Callable[[torch.Tensor], float]]:
     """Each config: a function running one training step on a batch, appending each
-    phase's seconds to ``phases[config][phase]``."""
+    phase's seconds to ``phases[config][phase]`` (on a GPU these are the host's launch
+    times; the step's ``loss.item()`` waits for the kernels)."""
     torch.manual_seed(0)
-    plain_model, fx_model = Toy(blocks), Toy(blocks)
+    plain_model, fx_model = Toy(blocks).to(device), Toy(blocks).to(device)
     fx_model.load_state_dict(plain_model.state_dict())
     plain_opt = torch.optim.AdamW(plain_model.parameters(), lr=1e-3)
     fx_opt = fxzero.DistributedOptimizer(fx_model.parameters(), torch.optim.AdamW, lr=1e-3, module=fx_model)
@@ -145,13 +146,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="profile the fxzero steps by runtime entry point")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and batch live")
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.compiler.reset()
     with mock.patch.object(GraphCompiler, "__init__", autospec=True, side_effect=GraphCompiler.__init__) as compiles:
         phases: dict[str, dict[str, list[float]]] = {c: {p: [] for p in PHASES} for c in ("plain", "fxzero")}
-        configs = _configs(args.blocks, phases)
-        x = torch.randn(8, 16, 64)
+        configs = _configs(args.blocks, phases, args.device)
+        x = torch.randn(8, 16, 64, device=args.device)
         times: dict[str, list[float]] = {name: [] for name in configs}
         losses: dict[str, float] = {}
         for i in range(args.warmup + args.steps):

@@ -123,7 +123,7 @@ class InductorCompilers:
     def __init__(self, dynamo_gm: fx.GraphModule, num_example_inputs: int) -> None:
         from torch._inductor.compile_fx import create_compiler_config_extra, get_num_model_outputs
 
-        self._extra = create_compiler_config_extra(dynamo_gm)
+        self._extra = create_compiler_config_extra(_config_extra_arg(create_compiler_config_extra, dynamo_gm))
         self._num_outputs = get_num_model_outputs(dynamo_gm)
         self._num_inputs = num_example_inputs
 
@@ -154,6 +154,20 @@ class InductorCompilers:
         return compile_fx_backward(gm, example_inputs, compiler_config_extra=self._extra)
 
 
+def _config_extra_arg(create: Callable[..., Any], dynamo_gm: fx.GraphModule) -> Any:
+    """What ``create_compiler_config_extra`` takes: the Dynamo graph (torch 2.13, which reads
+    its cudagraph annotation) or, in older torch (2.11, the GPU machines' build), Inductor's
+    config module. Chosen by the parameter's name, so a third signature fails loudly."""
+    import inspect
+
+    name = next(iter(inspect.signature(create).parameters))
+    if name == "config":
+        from torch._inductor import config
+
+        return config
+    return dynamo_gm
+
+
 @contextlib.contextmanager
 def inductor_post_grad_pass(fn: Callable[[fx.Graph], Any], uuid: bytes) -> Iterator[None]:
     """Run ``fn(graph)`` as the last of Inductor's post-grad FX passes of every graph
@@ -167,18 +181,33 @@ def inductor_post_grad_pass(fn: Callable[[fx.Graph], Any], uuid: bytes) -> Itera
     name, or a ``compile_fx_inner`` wrapper that applies ``fn`` before lowering.
     """
     from torch._inductor import config
-    from torch._inductor.custom_graph_pass import CustomGraphPass, get_custom_graph_passes
+    from torch._inductor import custom_graph_pass
 
-    class _Pass(CustomGraphPass):
+    class _Pass(custom_graph_pass.CustomGraphPass):
         def __call__(self, graph: fx.Graph) -> None:
             fn(graph)
 
         def uuid(self) -> bytes:
             return uuid
 
-    chained = (*get_custom_graph_passes(config.post_grad_custom_post_pass), _Pass())
-    with config.patch(post_grad_custom_post_pass=chained):
+    with config.patch(post_grad_custom_post_pass=_chained(config.post_grad_custom_post_pass, _Pass())):
         yield
+
+
+def _chained(user_pass: Any, ours: Any) -> Any:
+    """The user's post-grad passes, then ours. torch 2.13 takes a tuple
+    (``custom_graph_pass.get_custom_graph_passes``); older torch (2.11, the GPU machines'
+    build) takes one pass, so there a pass of the user's own is refused, not dropped."""
+    from torch._inductor import custom_graph_pass
+
+    if hasattr(custom_graph_pass, "get_custom_graph_passes"):
+        return (*custom_graph_pass.get_custom_graph_passes(user_pass), ours)
+    if user_pass is not None:
+        raise RuntimeError(
+            f"torch._inductor.config.post_grad_custom_post_pass is set ({user_pass!r}) and torch {torch.__version__} "
+            "takes one such pass, which fxzero needs: unset it, or use torch>=2.13 (which chains them)"
+        )
+    return ours
 
 
 def register_ordered_effect(op: Any, lib: Any) -> None:

@@ -1,0 +1,64 @@
+"""The compat module across torch versions: the pinned torch 2.13 and the 2.11 build the GPU
+machines carry (where ``tests/test_cuda.py`` runs). Each older-torch branch is checked here
+on 2.13 by giving it the older API's shape."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+from torch._inductor import config as inductor_config
+from torch._inductor import custom_graph_pass
+
+import fxzero
+from fxzero import _torch_compat as compat
+
+from models import MLP
+
+
+class _CountingPass(custom_graph_pass.CustomGraphPass):
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.graphs += 1
+
+    def uuid(self) -> bytes:
+        return b"test-counting-pass"
+
+
+@pytest.mark.slow
+def test_a_users_post_grad_pass_still_runs_beside_fxzeros_under_inductor() -> None:
+    """fxzero adds its post-grad pass to the user's; it must not replace it."""
+    torch._dynamo.reset()
+    user_pass = _CountingPass()
+    model = MLP()
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model)
+    with inductor_config.patch(post_grad_custom_post_pass=user_pass, fx_graph_cache=False):
+        torch.compile(model, backend="fxzero")(torch.randn(4, 16)).sum().backward()
+        assert inductor_config.post_grad_custom_post_pass is user_pass
+    opt.step()
+    assert user_pass.graphs == 2  # the forward and the backward
+
+
+def test_older_torch_takes_one_post_grad_pass_and_a_users_own_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch 2.11 has no ``get_custom_graph_passes`` and takes one pass: fxzero's alone, or an
+    error naming the setting, never the user's pass silently dropped."""
+    ours, user_pass = _CountingPass(), _CountingPass()
+    assert compat._chained(user_pass, ours) == (user_pass, ours)
+    monkeypatch.delattr(custom_graph_pass, "get_custom_graph_passes")
+    assert compat._chained(None, ours) is ours
+    with pytest.raises(RuntimeError, match=r"post_grad_custom_post_pass is set .*unset it, or use torch>=2.13"):
+        compat._chained(user_pass, ours)
+
+
+def test_inductor_config_extra_gets_what_the_torch_version_takes() -> None:
+    """2.13 reads the Dynamo graph (its cudagraph annotation); 2.11 takes Inductor's config."""
+    gm = fx.symbolic_trace(MLP())
+
+    def new_style(gm: object) -> None: ...
+
+    def old_style(config: object) -> None: ...
+
+    assert compat._config_extra_arg(new_style, gm) is gm
+    assert compat._config_extra_arg(old_style, gm) is inductor_config
