@@ -2,7 +2,7 @@
 
 Run it from the repository root (one process, world size 1, CPU, Inductor; ~2 minutes):
 
-    python benchmarks/graph_overhead.py [--blocks 8] [--steps 60] [--device cpu|cuda]
+    python benchmarks/graph_overhead.py [--blocks 8] [--steps 60] [--device cpu|cuda] [--breakdown] [--ops]
 
 A toy of ``--blocks`` small residual blocks with a graph break after each: Dynamo compiles
 ``Block.forward`` once and calls that graph once per block, so any Python the backend adds
@@ -17,7 +17,8 @@ It prints median step times, their ratio, how many AOT compiles each made, the e
 microseconds per graph call, each phase's median (forward, backward, ``step()``,
 ``zero_grad()``) for both configs, and (``--breakdown``) where fxzero's per-graph time goes:
 a cProfile of the fxzero steps, inclusive time of each runtime entry point per graph call
-(the profiler slows Python down, so read the shares, not the absolute values).
+(the profiler slows Python down, so read the shares, not the absolute values), and
+(``--ops``) the ops and CUDA runtime calls one config makes more often than the other.
 Target: fxzero <= 1.15x plain.
 """
 
@@ -140,12 +141,32 @@ def breakdown(step: Callable[[torch.Tensor], float], x: torch.Tensor, steps: int
     return rows
 
 
+def op_counts(step: Callable[[torch.Tensor], float], x: torch.Tensor) -> dict[str, tuple[int, float]]:
+    """Each op's (and, on a GPU, each CUDA runtime call's) calls and self CPU µs in one step,
+    from ``torch.profiler``: what a config dispatches or launches that the other does not."""
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if x.is_cuda:
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        step(x)
+    return {e.key: (e.count, e.self_cpu_time_total) for e in prof.key_averages()}
+
+
+def op_rows(plain: dict[str, tuple[int, float]], fx: dict[str, tuple[int, float]]) -> list[list[str]]:
+    """The ops whose call counts differ between the configs, most extra calls first."""
+    per_graph = ("## Call CompiledFxGraph", "Torch-Compiled Region")  # named per compile: never equal
+    names = [n for n in {*plain, *fx} if plain.get(n, (0, 0.0))[0] != fx.get(n, (0, 0.0))[0] and not n.startswith(per_graph)]
+    names.sort(key=lambda n: plain.get(n, (0, 0.0))[0] - fx.get(n, (0, 0.0))[0])
+    return [[n[:60], str(plain.get(n, (0, 0.0))[0]), str(fx.get(n, (0, 0.0))[0]), f"{fx.get(n, (0, 0.0))[1]:.0f}"] for n in names]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="profile the fxzero steps by runtime entry point")
+    parser.add_argument("--ops", action="store_true", help="profile one step of each config: the ops whose counts differ")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and batch live")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -183,6 +204,10 @@ def main() -> None:
         rows = breakdown(configs["fxzero"], x, args.steps, graph_calls)
         print("\nwhere fxzero's per-graph time goes (cProfile, inclusive; the profiler inflates Python time):")
         print(tabulate(rows, headers=["entry point", "calls/step", "us per graph call"], tablefmt="github"))
+    if args.ops:
+        counts = {name: op_counts(step, x) for name, step in configs.items()}
+        print("\nops and runtime calls whose counts differ in one step (torch.profiler; self CPU us of fxzero's):")
+        print(tabulate(op_rows(counts["plain"], counts["fxzero"]), headers=["op", "plain calls", "fxzero calls", "fxzero self us"], tablefmt="github"))
 
 
 if __name__ == "__main__":
