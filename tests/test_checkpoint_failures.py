@@ -125,6 +125,7 @@ def _save_on_rank_zero_only(ckpt_dir: str) -> dict[str, Any]:
     return {"error": None}
 
 
+@pytest.mark.slow  # its own pool, and waits out the arrival timeout
 def test_a_save_on_one_rank_only_fails_within_seconds_saying_every_rank_must_call_it(tmp_path: Path) -> None:
     """Its own pool: after a handshake that timed out, the ranks' later calls no longer pair up."""
     pool = RankPool(2)

@@ -34,6 +34,7 @@ def test_every_rank_runs_with_its_own_rank(world: int) -> None:
     assert results == [(r, world, world * (world + 1) / 2) for r in range(world)]
 
 
+@pytest.mark.slow  # starts a second pool after the failed one
 def test_a_failing_rank_shows_its_traceback() -> None:
     with pytest.raises(RankError) as info:
         run_ranks(2, _fail_on_rank_one)

@@ -77,6 +77,7 @@ def targets(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.mark.slow  # a fresh interpreter and its own rank pool
 def test_injected_rank_dependent_bug_fails_and_names_its_param_first(targets: Path) -> None:
     """As a user runs it: a fresh interpreter, whose rank pool is also closed cleanly at
     exit (left to multiprocessing, its queues' semaphores leaked with a warning)."""
