@@ -8,6 +8,7 @@ replace it if torch moved or removed it. Checked against torch 2.13.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import operator
 import re
 import sys
@@ -157,9 +158,8 @@ class InductorCompilers:
 def _config_extra_arg(create: Callable[..., Any], dynamo_gm: fx.GraphModule) -> Any:
     """What ``create_compiler_config_extra`` takes: the Dynamo graph (torch 2.13, which reads
     its cudagraph annotation) or, in older torch (2.11, the GPU machines' build), Inductor's
-    config module. Chosen by the parameter's name, so a third signature fails loudly."""
-    import inspect
-
+    config module. Chosen by the parameter's name: ``config`` gets the module, any other name
+    the graph (2.13's shape)."""
     name = next(iter(inspect.signature(create).parameters))
     if name == "config":
         from torch._inductor import config
