@@ -1,0 +1,43 @@
+"""``benchmarks/graph_overhead.py --ops``: the rows the README quotes are the ops whose call
+counts differ between plain torch.compile and fxzero, most extra fxzero calls first."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+_BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+def _graph_overhead():
+    sys.path.insert(0, str(_BENCHMARKS))
+    try:
+        import graph_overhead
+    finally:
+        sys.path.remove(str(_BENCHMARKS))
+    return graph_overhead
+
+
+def test_op_rows_keep_only_differing_counts_most_extra_first_without_per_compile_names() -> None:
+    tool = _graph_overhead()
+    plain = {"aten::add_": (96, 1.0), "aten::mm": (32, 9.0), "aten::detach": (48, 2.0), "## Call CompiledFxGraph fa": (8, 5.0)}
+    fx = {"aten::add_": (144, 3.0), "aten::mm": (32, 9.0), "fxzero::grads_ready": (8, 7.0), "Torch-Compiled Region: 1/3": (8, 4.0)}
+    rows = tool.op_rows(plain, fx)
+    assert [row[:3] for row in rows] == [
+        ["aten::add_", "96", "144"],
+        ["fxzero::grads_ready", "0", "8"],
+        ["aten::detach", "48", "0"],
+    ]
+
+
+def test_op_counts_profile_one_step_of_a_config() -> None:
+    calls = []
+
+    def step(x: torch.Tensor) -> float:
+        calls.append(x)
+        return (x + 1).sum().item()
+
+    counts = _graph_overhead().op_counts(step, torch.ones(3))
+    assert len(calls) == 1 and counts["aten::add"][0] == 1 and counts["aten::sum"][0] == 1
