@@ -2,7 +2,7 @@
 # The GPU checks in one run, for a lent GPU machine (repository root; writes its log to $OUT/log
 # where $OUT is set, else ./gpu_check.log). The machine's own torch is used: fxzero is installed
 # with --no-deps, since the package pins torch 2.13 and such machines cannot download.
-# Took ~3 min on one H200 (torch 2.11.0+cu130), cold caches. (tests/test_torch_compat.py is for the
+# Its first four commands took ~3 min on one H200 (torch 2.11.0+cu130), cold caches. (tests/test_torch_compat.py is for the
 # pinned 2.13: on 2.11 its chaining checks fail by design, since 2.11 takes one post-grad pass.)
 export PYTHONUNBUFFERED=1
 log=${OUT:+$OUT/log}; log=${log:-gpu_check.log}
@@ -13,6 +13,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import sys,torch;print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'nccl', torch.cuda.nccl.version())"
 step 130 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfE --durations=5
 step 90 python3 benchmarks/graph_overhead.py --device cuda --steps 40 --ops
+step 60 python3 benchmarks/graph_overhead.py --device cuda --steps 40 --sync-phases
 step 70 torchrun --nproc-per-node 1 examples/train_gpt.py --steps 30 --log-every 5 --overlap
 step 70 python3 benchmarks/memory.py --world 1 --device cuda --only "DDP gabv + compile" fxzero --steps 4 --png "${OUT:-.}/memory_cuda.png"
 } 2>&1 | tee "$log"

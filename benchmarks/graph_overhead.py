@@ -2,7 +2,7 @@
 
 Run it from the repository root (one process, world size 1, CPU, Inductor; ~2 minutes):
 
-    python benchmarks/graph_overhead.py [--blocks 8] [--steps 60] [--device cpu|cuda] [--breakdown] [--ops]
+    python benchmarks/graph_overhead.py [--blocks 8] [--steps 60] [--device cpu|cuda [--sync-phases]] [--breakdown] [--ops]
 
 A toy of ``--blocks`` small residual blocks with a graph break after each: Dynamo compiles
 ``Block.forward`` once and calls that graph once per block, so any Python the backend adds
@@ -66,10 +66,14 @@ class Toy(nn.Module):
 PHASES = ("forward", "backward", "step", "zero_grad")
 
 
-def _configs(blocks: int, phases: dict[str, dict[str, list[float]]], device: str) -> dict[str, Callable[[torch.Tensor], float]]:
+def _configs(
+    blocks: int, phases: dict[str, dict[str, list[float]]], device: str, sync_phases: bool = False
+) -> dict[str, Callable[[torch.Tensor], float]]:
     """Each config: a function running one training step on a batch, appending each
-    phase's seconds to ``phases[config][phase]`` (on a GPU these are the host's launch
-    times; the step's ``loss.item()`` waits for the kernels)."""
+    phase's seconds to ``phases[config][phase]``. On a GPU these are the host's launch
+    times (the step's ``loss.item()`` waits for the kernels, and fxzero's ``step()`` syncs
+    once for its norm, so it waits for queued backward kernels) unless ``sync_phases``
+    synchronizes the device at each phase's end."""
     torch.manual_seed(0)
     plain_model, fx_model = Toy(blocks).to(device), Toy(blocks).to(device)
     fx_model.load_state_dict(plain_model.state_dict())
@@ -77,16 +81,22 @@ def _configs(blocks: int, phases: dict[str, dict[str, list[float]]], device: str
     fx_opt = fxzero.DistributedOptimizer(fx_model.parameters(), torch.optim.AdamW, lr=1e-3, module=fx_model)
     plain, fx = torch.compile(plain_model), torch.compile(fx_model, backend="fxzero")
 
+    sync = torch.cuda.synchronize if sync_phases and device == "cuda" else (lambda: None)
+
+    def clock() -> float:
+        sync()
+        return time.perf_counter()
+
     def step(model: Callable, opt: torch.optim.Optimizer, x: torch.Tensor, times: dict[str, list[float]]) -> float:
-        t0 = time.perf_counter()
+        t0 = clock()
         loss = model(x).square().mean()
-        t1 = time.perf_counter()
+        t1 = clock()
         loss.backward()
-        t2 = time.perf_counter()
+        t2 = clock()
         opt.step()
-        t3 = time.perf_counter()
+        t3 = clock()
         opt.zero_grad()
-        t4 = time.perf_counter()
+        t4 = clock()
         for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3)):
             times[phase].append(seconds)
         return loss.item()
@@ -166,6 +176,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="profile the fxzero steps by runtime entry point")
+    parser.add_argument("--sync-phases", action="store_true", help="on a GPU, synchronize at each phase's end (device time per phase)")
     parser.add_argument("--ops", action="store_true", help="profile one step of each config: the ops whose counts differ")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and batch live")
     args = parser.parse_args()
@@ -173,7 +184,7 @@ def main() -> None:
     torch.compiler.reset()
     with mock.patch.object(GraphCompiler, "__init__", autospec=True, side_effect=GraphCompiler.__init__) as compiles:
         phases: dict[str, dict[str, list[float]]] = {c: {p: [] for p in PHASES} for c in ("plain", "fxzero")}
-        configs = _configs(args.blocks, phases, args.device)
+        configs = _configs(args.blocks, phases, args.device, args.sync_phases)
         x = torch.randn(8, 16, 64, device=args.device)
         times: dict[str, list[float]] = {name: [] for name in configs}
         losses: dict[str, float] = {}
