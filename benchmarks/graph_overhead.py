@@ -165,9 +165,10 @@ def op_counts(step: Callable[[torch.Tensor], float], x: torch.Tensor) -> dict[st
 def op_rows(plain: dict[str, tuple[int, float]], fx: dict[str, tuple[int, float]]) -> list[list[str]]:
     """The ops whose call counts differ between the configs, most extra calls first."""
     per_graph = ("## Call CompiledFxGraph", "Torch-Compiled Region")  # named per compile: never equal
-    names = [n for n in {*plain, *fx} if plain.get(n, (0, 0.0))[0] != fx.get(n, (0, 0.0))[0] and not n.startswith(per_graph)]
-    names.sort(key=lambda n: plain.get(n, (0, 0.0))[0] - fx.get(n, (0, 0.0))[0])
-    return [[n[:60], str(plain.get(n, (0, 0.0))[0]), str(fx.get(n, (0, 0.0))[0]), f"{fx.get(n, (0, 0.0))[1]:.0f}"] for n in names]
+    none = (0, 0.0)
+    differ = [n for n in {*plain, *fx} if plain.get(n, none)[0] != fx.get(n, none)[0] and not n.startswith(per_graph)]
+    differ.sort(key=lambda n: (plain.get(n, none)[0] - fx.get(n, none)[0], n))
+    return [[n[:60], str(plain.get(n, none)[0]), str(fx.get(n, none)[0]), f"{fx.get(n, none)[1]:.0f}"] for n in differ]
 
 
 def main() -> None:
