@@ -379,6 +379,28 @@ def profiler_enabled() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
+
+def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
+    """``optimizer.step`` without the wrapper ``torch.optim.Optimizer`` puts around every
+    class's ``step`` (``Optimizer.profile_hook_step``: a profiler range and the global and
+    per-instance step hooks), for the optimizer fxzero wraps. Under DDP a hook registered
+    with ``register_optimizer_step_pre_hook`` runs once per step, with the user's
+    optimizer; through the wrapper it would also run for the private wrapped one, a
+    second time. When the wrapped optimizer has hooks of its own (its class registered
+    some), or its class's ``step`` is not the wrapper, its plain ``step`` runs them.
+    Reads ``step.hooked``, ``step.__wrapped__`` and ``_optimizer_step_{pre,post}_hooks``."""
+    step = type(optimizer).step
+    inner = getattr(step, "__wrapped__", None) if getattr(step, "hooked", False) else None
+    if inner is None:
+        return optimizer.step
+
+    def run() -> Any:
+        if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks:
+            return optimizer.step()
+        return inner(optimizer)
+
+    return run
+
 # ---- p.grad views of sharded gradients ---------------------------------------------------
 def storageless_like(cls: type, like: torch.Tensor) -> torch.Tensor:
     """An instance of tensor subclass ``cls`` with ``like``'s shape, dtype and device and

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from . import _torch_compat as compat
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.binding import GraphBinding, InputBinding, OwnerRef
@@ -184,6 +185,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         """``fragments``: this rank's pieces of the params, each its slot, where it lies in the
         param (``where``) and the fp32 master view the wrapped optimizer steps (``param``)."""
         self.local = self._build_local_optimizer()
+        self._local_step = compat.unhooked_step(self.local)  # step hooks run once per step, for this optimizer
         self._rank_state = RankState(table, self.fragments, self.local)
         mesh_norms = self.mesh_params.norms(len(self.params), self.params[0].device)
         self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp, mesh_norms)
@@ -270,9 +272,9 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self._sync_hyperparameters()
         if absent:
             with grads.hidden(absent):
-                self.local.step()
+                self._local_step()
         else:  # the common case: nothing to hide, no context manager to enter
-            self.local.step()
+            self._local_step()
         self._rank_state.held = True
         self._publish_and_gather()
         return StepResult(skipped=False, grad_norm=norm, loss=loss)

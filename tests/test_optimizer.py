@@ -166,6 +166,39 @@ def test_lr_scheduler_drives_the_sharded_optimizer() -> None:
         assert torch.equal(p, q)
 
 
+def test_step_hooks_run_once_per_step_with_the_users_optimizer() -> None:
+    """As with torch.optim under DDP: a global step hook sees the optimizer the user
+    stepped, once; an instance hook of the wrapped class still runs."""
+    from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+    class HookedSGD(torch.optim.SGD):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.register_step_post_hook(lambda o, a, k: seen.append(("own", type(o).__name__)))
+
+    seen: list[tuple[str, str]] = []
+    handles = [
+        register_optimizer_step_pre_hook(lambda o, a, k: seen.append(("pre", type(o).__name__))),
+        register_optimizer_step_post_hook(lambda o, a, k: seen.append(("post", type(o).__name__))),
+    ]
+    try:
+        model = small_model()
+        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1)
+        local_pre = opt.register_step_pre_hook(lambda o, a, k: seen.append(("mine", type(o).__name__)))
+        for step in range(2):
+            train_step(model, opt, step)
+        assert seen == [("pre", "DistributedOptimizer"), ("mine", "DistributedOptimizer"), ("post", "DistributedOptimizer")] * 2
+        local_pre.remove()
+        seen.clear()
+        model = small_model()
+        train_step(model, fxzero.DistributedOptimizer(model.parameters(), HookedSGD, lr=0.1), 0)
+        assert seen[0] == ("pre", "DistributedOptimizer") and seen[-1] == ("post", "DistributedOptimizer")
+        assert ("own", "HookedSGD") in seen  # its class's hook: the wrapped optimizer steps through it
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def test_step_with_closure_returns_its_loss() -> None:
     model = small_model()
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
