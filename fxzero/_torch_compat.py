@@ -401,6 +401,37 @@ def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
 
     return run
 
+def with_state_dict_hooks(optimizer: torch.optim.Optimizer, produce: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``produce()`` between ``optimizer``'s state-dict hooks (``register_state_dict_pre_hook``
+    / ``_post_hook``), run as ``torch.optim.Optimizer.state_dict`` runs them: a post-hook may
+    return a replacement. An optimizer that overrides ``state_dict`` gets none of this from
+    torch. Reads ``_optimizer_state_dict_{pre,post}_hooks``."""
+    for pre_hook in optimizer._optimizer_state_dict_pre_hooks.values():
+        pre_hook(optimizer)
+    state_dict = produce()
+    for post_hook in optimizer._optimizer_state_dict_post_hooks.values():
+        result = post_hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    return state_dict
+
+
+def with_load_state_dict_hooks(
+    optimizer: torch.optim.Optimizer, state_dict: dict[str, Any], load: Callable[[dict[str, Any]], None]
+) -> None:
+    """``load(state_dict)`` between ``optimizer``'s load-state-dict hooks, as
+    ``torch.optim.Optimizer.load_state_dict`` runs them: pre-hooks see a shallow copy and may
+    return a replacement. Reads ``_optimizer_load_state_dict_{pre,post}_hooks``."""
+    state_dict = state_dict.copy()
+    for pre_hook in optimizer._optimizer_load_state_dict_pre_hooks.values():
+        result = pre_hook(optimizer, state_dict)
+        if result is not None:
+            state_dict = result
+    load(state_dict)
+    for post_hook in optimizer._optimizer_load_state_dict_post_hooks.values():
+        post_hook(optimizer)
+
+
 # ---- p.grad views of sharded gradients ---------------------------------------------------
 def storageless_like(cls: type, like: torch.Tensor) -> torch.Tensor:
     """An instance of tensor subclass ``cls`` with ``like``'s shape, dtype and device and

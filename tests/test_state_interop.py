@@ -255,3 +255,35 @@ def test_a_rank_0_only_state_dict_is_per_rank_and_refused_at_world_1_naming_save
     assert saved["format"] == "fxzero.DistributedOptimizer/1" and saved["world_size"] == 2
     with pytest.raises(ValueError, match=r"saved on rank 0 of 2, loading on rank 0 of 1.*fxzero\.save_checkpoint"):
         _fxzero(_model()).load_state_dict(saved)
+
+
+def _state_dict_hook_calls(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple]:
+    """What the four state-dict hooks see through ``state_dict``/``load_state_dict`` and through
+    ``get/set_optimizer_state_dict``: the optimizer, a post-hook's replacement, a pre-hook's edit."""
+    calls: list[tuple] = []
+
+    def load_pre(o: torch.optim.Optimizer, state: dict) -> None:
+        calls.append(("load pre", o is opt, state.pop("note", None)))  # edits torch's shallow copy
+
+    opt.register_state_dict_pre_hook(lambda o: calls.append(("save pre", o is opt)))
+    opt.register_state_dict_post_hook(lambda o, state: {**state, "note": "from the post-hook"})
+    opt.register_load_state_dict_pre_hook(load_pre)
+    opt.register_load_state_dict_post_hook(lambda o: calls.append(("load post", o is opt)))
+    _train(model, opt, range(STEPS))
+    state = opt.state_dict()
+    calls.append(("saved", state["note"]))
+    opt.load_state_dict(state)
+    calls.append(("kept", state["note"]))  # the caller's dict is not edited
+    options = StateDictOptions(full_state_dict=True)
+    set_optimizer_state_dict(model, opt, get_optimizer_state_dict(model, opt, options=options), options=options)
+    return calls
+
+
+def test_state_dict_hooks_run_as_in_torch_optim_directly_and_through_dcp() -> None:
+    """torch.optim runs hooks registered with register_(load_)state_dict_{pre,post}_hook inside
+    its (load_)state_dict; fxzero overrides both, and ran none of them."""
+    model, ref = _model(), _model()
+    want = _state_dict_hook_calls(ref, torch.optim.AdamW(_groups(ref), lr=0.05))
+    assert want[:5] == [("save pre", True), ("saved", "from the post-hook"), ("load pre", True, "from the post-hook"),
+                        ("load post", True), ("kept", "from the post-hook")]  # fmt: skip
+    assert _state_dict_hook_calls(model, _fxzero(model)) == want

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .._torch_compat import called_from_torch_checkpoint
+from .._torch_compat import called_from_torch_checkpoint, with_load_state_dict_hooks, with_state_dict_hooks
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
 from .mesh import MeshParams
@@ -59,9 +59,13 @@ class ShardedState:
         collective, so one rank alone may save it. Called from ``torch.distributed.checkpoint``
         (``get/set_optimizer_state_dict``, ``dcp.save``/``load``: collectives every rank calls;
         caller told apart by its module), it is :meth:`consolidated_state_dict`: the whole
-        state in plain format, what they read and what DCP's dedup of plain tensors keeps right."""
-        if called_from_torch_checkpoint():
-            return self.consolidated_state_dict()
+        state in plain format, what they read and what DCP's dedup of plain tensors keeps right.
+        State-dict hooks registered on the optimizer run around either, as in torch.optim."""
+        if called_from_torch_checkpoint():  # asked here: it counts the frames above this method
+            return with_state_dict_hooks(self, self.consolidated_state_dict)  # type: ignore[arg-type]
+        return with_state_dict_hooks(self, self._rank_state_dict)  # type: ignore[arg-type]
+
+    def _rank_state_dict(self) -> dict[str, Any]:
         self.finish_param_sync()
         return {
             "format": STATE_FORMAT,
@@ -77,7 +81,11 @@ class ShardedState:
         """Load what :meth:`state_dict` saved on this rank, or a plain ``torch.optim`` state
         dict of the same optimizer class (a run without fxzero: each rank takes its shard).
         Collective (the params are gathered afterwards): every rank loads, or, if any rank's
-        state dict is wrong, every rank raises, naming that rank's problem."""
+        state dict is wrong, every rank raises, naming that rank's problem. Load-state-dict
+        hooks registered on the optimizer run around it, as in torch.optim."""
+        with_load_state_dict_hooks(self, state_dict, self._load_state_dict)  # type: ignore[arg-type]
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
         plain = is_plain_state_dict(state_dict)
         if plain:
             self.refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
