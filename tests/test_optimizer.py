@@ -380,3 +380,33 @@ def test_collectives_per_step_are_what_a_step_issues(config: fxzero.Config) -> N
     for result in run_ranks(2, _counted_collectives, config):
         assert result["buckets"] >= 2
         assert result["counted"] == result["declared"], result
+
+
+def _compiled_steps(backend: str) -> list[bool]:
+    """fxzero with ``torch.compile``d ``step()`` (torch's "compiling the optimizer" recipe) beside
+    DDP with the same recipe on plain AdamW: each step's params, bitwise."""
+    rank = dist.get_rank()
+    model, ref = small_model(), small_model()
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, config=fxzero.Config(bucket_size=64))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    step, ref_step = torch.compile(opt.step, backend=backend), torch.compile(ref_opt.step, backend=backend)
+    same = []
+    for i in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * i + rank))
+        model(x).square().mean().backward()
+        step()
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        ref_step()
+        ref_opt.zero_grad()
+        same.append(all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters())))
+    return same
+
+
+@pytest.mark.slow
+def test_a_compiled_step_trains_like_ddp_with_a_compiled_adamw_step() -> None:
+    """Dynamo traces into step(), breaking the graph where it cannot follow fxzero's
+    bookkeeping and host reads, and what it compiles keeps its meaning: the same params as
+    DDP + AdamW compiled alike."""
+    assert run_ranks(2, _compiled_steps, "aot_eager", timeout=120) == [[True] * 3] * 2
