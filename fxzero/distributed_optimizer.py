@@ -71,7 +71,7 @@ from .optim.reduced_grads import ReducedGrads
 from .optim.sharded_state import ShardedState
 from .optim.shards import build_shards
 from .optim.step_result import StepResult, warn_no_gradients
-from .optim.state_dict import hyperparameters
+from .optim.state_dict import NOT_HYPERPARAMETERS, hyperparameters
 from .optim.validation import check_group_keys, check_leaves, check_managed_params
 from .optim.validation import check_optimizer_kwargs, layout_order, resolve_state_sharding
 
@@ -292,10 +292,13 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         return torch.tensor(self.reduced.clip(float(max_norm), float(norm_type)), dtype=torch.float32)
 
     def _sync_hyperparameters(self) -> None:
-        """Copy (possibly scheduler-edited) hyperparameters to the wrapped optimizer."""
+        """Copy (possibly scheduler-edited) hyperparameters to the wrapped optimizer: every
+        key of each group, not only the class's defaults, since an optimizer may read a
+        group key it has no default for."""
         for group, local in zip(self.param_groups, self.local.param_groups):
-            for name in self.defaults:
-                local[name] = group[name]
+            for name, value in group.items():
+                if name not in NOT_HYPERPARAMETERS:
+                    local[name] = value
 
     def _publish_and_gather(self) -> None:
         """The fp32 masters -> the gather's input (param shard or MXFP8 row); launch."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 import copy
 import warnings
 from unittest import mock
@@ -164,6 +165,32 @@ def test_lr_scheduler_drives_the_sharded_optimizer() -> None:
     assert opt.local.param_groups[0]["lr"] == 0.5 * 0.5**2  # synced at the last step
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
+
+
+class _GroupScaledSGD(torch.optim.SGD):
+    """Reads a group key its class has no default for (``scale``), as third-party optimizers may."""
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * group["scale"])
+
+
+def test_a_group_key_without_a_default_edited_between_steps_reaches_the_optimizer() -> None:
+    """Only the class's defaults were copied to the wrapped optimizer each step: an edited
+    group key it reads but has no default for was silently kept at its first value."""
+    def train(make: Any) -> torch.Tensor:
+        model = small_model()
+        opt = make([{"params": model.parameters(), "scale": 1.0}])
+        for step in range(3):
+            train_step(model, opt, step)
+            opt.param_groups[0]["scale"] = 10.0 * (step + 1)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    want = train(lambda groups: _GroupScaledSGD(groups, lr=0.01))
+    assert torch.equal(train(lambda groups: fxzero.DistributedOptimizer(groups, _GroupScaledSGD, lr=0.01)), want)
 
 
 def test_step_hooks_run_once_per_step_with_the_users_optimizer() -> None:

@@ -14,6 +14,7 @@ from .param_table import ParamTable
 from .shards import FragmentTensor
 
 __all__ = [
+    "NOT_HYPERPARAMETERS",
     "STATE_FORMAT",
     "check_state_dict",
     "consolidated_state",
@@ -58,9 +59,13 @@ def layout_key(buffers: Sequence[ParamAndGradBuffer]) -> list[tuple[str, int, li
     return [(str(b.param_dtype), b.plan.numel, [(s.start, s.end) for s in b.plan.buckets], b.plan.owners) for b in buffers]
 
 
+NOT_HYPERPARAMETERS = frozenset(("params", "param_names"))
+"""Param-group keys that are not hyperparameters (the wrapped optimizer's groups hold their own)."""
+
+
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A param group without its params (and their names)."""
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    return {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
 
 
 def is_plain_state_dict(state_dict: Any) -> bool:
