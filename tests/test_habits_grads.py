@@ -406,3 +406,40 @@ def test_grad_scaler_scales_unscales_and_skips_like_ddp(unscale_and_clip: bool) 
         assert result["scales"] == reference["scales"]
         for name, value in reference["params"].items():
             torch.testing.assert_close(result["params"][name], value, atol=1e-5, rtol=0, msg=name)
+
+
+# ---- activation checkpointing (torch.utils.checkpoint; HF's gradient_checkpointing_enable) ----
+class _Checkpointed(torch.nn.Module):
+    def __init__(self, block: torch.nn.Module, reentrant: bool) -> None:
+        super().__init__()
+        self.block, self.reentrant = block, reentrant
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+def _checkpointing_run(reentrant: Optional[bool]) -> list[torch.Tensor]:
+    """The tied GPT under the fxzero backend, each block checkpointed (``None``: not)."""
+    model, opt = _fxzero("gpt")
+    if reentrant is not None:
+        model.blocks = torch.nn.ModuleList(_Checkpointed(block, reentrant) for block in model.blocks)
+    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    for step in range(STEPS):
+        x, y = _local("gpt", step)
+        loss_fn("gpt", cmodel(x), y).backward()
+        assert not opt.step().skipped
+        opt.zero_grad()
+    return list(_params(model).values())
+
+
+def _with_and_without_checkpointing() -> list[bool]:
+    plain = _checkpointing_run(None)
+    return [all(map(torch.equal, _checkpointing_run(reentrant), plain)) for reentrant in (False, True)]
+
+
+@pytest.mark.slow
+def test_activation_checkpointing_trains_bit_for_bit_as_without_it() -> None:
+    """Each block recomputed in the backward, with either of torch.utils.checkpoint's
+    implementations (the reentrant one runs a backward inside the backward): the
+    gradients reach the buckets once, and training is the same as without it."""
+    assert run_ranks(2, _with_and_without_checkpointing, timeout=240) == [[True, True]] * 2
