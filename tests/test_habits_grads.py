@@ -443,3 +443,36 @@ def test_activation_checkpointing_trains_bit_for_bit_as_without_it() -> None:
     implementations (the reentrant one runs a backward inside the backward): the
     gradients reach the buckets once, and training is the same as without it."""
     assert run_ranks(2, _with_and_without_checkpointing, timeout=240) == [[True, True]] * 2
+
+
+# ---- mixed precision by autocast over fp32 params ------------------------------------------
+def _autocast_beside_ddp(compiled: bool) -> list[bool]:
+    """fxzero and DDP + AdamW, each forward under ``torch.autocast(bfloat16)``: per step, the
+    same loss and the same params, bit for bit (both compiled alike, or both eager)."""
+    model, opt = _fxzero("gpt")
+    ref = build("gpt")
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
+    forward, ref_forward = model, torch.nn.parallel.DistributedDataParallel(ref)
+    if compiled:
+        forward = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+        ref_forward = torch.compile(ref_forward, backend="aot_eager")
+    same = []
+    for step in range(STEPS):
+        x, y = _local("gpt", step)
+        losses = []
+        for fwd, optimizer in ((forward, opt), (ref_forward, ref_opt)):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_fn("gpt", fwd(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        opt.finish_param_sync()
+        same.append(losses[0] == losses[1] and all(map(torch.equal, model.parameters(), ref.parameters())))
+    return same
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "fxzero-backend"])
+def test_autocast_bf16_over_fp32_params_trains_bit_for_bit_like_ddp(compiled: bool) -> None:
+    assert run_ranks(2, _autocast_beside_ddp, compiled, timeout=240) == [[True] * STEPS] * 2
