@@ -72,7 +72,7 @@ from .optim.sharded_state import ShardedState
 from .optim.shards import build_shards
 from .optim.step_result import StepResult, warn_no_gradients
 from .optim.state_dict import NOT_HYPERPARAMETERS, hyperparameters
-from .optim.validation import check_group_keys, check_leaves, check_managed_params
+from .optim.validation import check_group_keys, check_leaves, check_managed_params, check_param_groups_kept
 from .optim.validation import check_optimizer_kwargs, layout_order, resolve_state_sharding
 
 __all__ = ["DistributedOptimizer", "StepResult"]
@@ -152,6 +152,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self.param_table = ParamTable.build(self.param_groups, names, bucket_of, owners_of(self.buffers))
         """Every managed param's slot, name, group and bucket: what the other parts look params up in."""
         self.params = self.param_table.params
+        self._built_groups = tuple(tuple(group["params"]) for group in self.param_groups)
         if self.whole_params:
             log.info("fxzero: %s", self.balance.describe())  # type: ignore[union-attr]
         self._build_runtime(overlap)
@@ -241,6 +242,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         """Finish grad reduce-scatters, update this rank's shards, gather params.
         The gradients are consumed: the next backward starts from zero. A tensor assigned to
         ``p.grad`` is used as is, not averaged, as under DDP (:mod:`fxzero.optim.hand_grads`)."""
+        check_param_groups_kept(self.param_groups, self._built_groups)
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -130,6 +130,28 @@ def test_config_errors_name_the_field(kwargs: dict, field: str) -> None:
         fxzero.Config(**kwargs)
 
 
+@pytest.mark.parametrize("change", ["append-group", "append-param", "remove-param", "swap-param"])
+def test_params_put_into_or_taken_out_of_param_groups_fail_the_next_step(change: str) -> None:
+    """torch.optim steps whatever param_groups holds; fxzero's buffers are laid out once, so the
+    edit silently did nothing (the new param never trained). Replacing a group's list with the
+    same params, and editing hyperparameters, stay fine."""
+    model, extra = small_model(), torch.nn.Linear(2, 2)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
+    opt.param_groups[0]["params"] = list(opt.param_groups[0]["params"])
+    opt.param_groups[0]["lr"] = 0.05
+    train_step(model, opt, 0)
+    params = opt.param_groups[0]["params"]
+    {
+        "append-group": lambda: opt.param_groups.append({"params": list(extra.parameters()), "lr": 0.1}),
+        "append-param": lambda: params.append(extra.weight),
+        "remove-param": lambda: params.pop(),
+        "swap-param": lambda: params.__setitem__(0, extra.weight),
+    }[change]()
+    model(torch.ones(1, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"param_groups changed after construction .*(2 param groups|param_groups\[0\]).*Build a new"):
+        opt.step()
+
+
 def test_add_param_group_after_construction_is_refused() -> None:
     opt = fxzero.DistributedOptimizer(small_model().parameters(), torch.optim.SGD, lr=0.1)
     with pytest.raises(NotImplementedError, match="add_param_group"):

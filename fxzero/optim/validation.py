@@ -11,6 +11,7 @@ import warnings
 
 import inspect
 import logging
+import operator
 from typing import Any, Optional, Sequence
 
 import torch
@@ -24,6 +25,7 @@ __all__ = [
     "check_leaves",
     "check_managed_params",
     "check_optimizer_kwargs",
+    "check_param_groups_kept",
     "layout_order",
 ]
 
@@ -226,3 +228,28 @@ def check_leaves(group: dict[str, Any], group_index: int) -> None:
         where = f"param {name!r}" if name else f"param_groups[{group_index}]['params'][{index}]"
         if isinstance(param, torch.Tensor) and not param.is_leaf:
             raise ValueError(f"{where} (shape {tuple(param.shape)}) is not a leaf tensor; an optimizer can only own leaf params")
+
+
+def check_param_groups_kept(groups: Sequence[dict[str, Any]], built: Sequence[Sequence[torch.Tensor]]) -> None:
+    """The params of ``groups`` are still those the optimizer was built with (``built``), group
+    by group, in order. torch.optim steps whatever ``param_groups`` holds, so a param appended
+    to it (or a group appended) trains there; the flat buffers are laid out once, so here it
+    would silently not train. One C-level comparison per group."""
+    if len(groups) == len(built) and all(map(_same_params, groups, built)):
+        return
+    if len(groups) != len(built):
+        change = f"it has {len(groups)} param groups; it was built with {len(built)}"
+    else:
+        index = next(i for i, (group, params) in enumerate(zip(groups, built)) if not _same_params(group, params))
+        change = f"param_groups[{index}]['params'] holds {len(groups[index]['params'])} params, not the {len(built[index])} it was built with"
+    raise RuntimeError(
+        f"fxzero: the optimizer's param_groups changed after construction ({change}). A DistributedOptimizer "
+        "lays out its flat buffers once, so a param added to (or removed from) param_groups would not train (or "
+        "would keep training) as under torch.optim. Build a new DistributedOptimizer with every param group; "
+        "edit hyperparameters (lr, weight_decay, ...) in place, as schedulers do."
+    )
+
+
+def _same_params(group: dict[str, Any], params: Sequence[torch.Tensor]) -> bool:
+    current = group["params"]
+    return len(current) == len(params) and all(map(operator.is_, current, params))
