@@ -476,3 +476,31 @@ def _autocast_beside_ddp(compiled: bool) -> list[bool]:
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "fxzero-backend"])
 def test_autocast_bf16_over_fp32_params_trains_bit_for_bit_like_ddp(compiled: bool) -> None:
     assert run_ranks(2, _autocast_beside_ddp, compiled, timeout=240) == [[True] * STEPS] * 2
+
+
+# ---- two forwards, one backward (contrastive pairs, preference pairs, a sum of two losses) ----
+def _two_forwards_beside_ddp(overlap: bool) -> list[bool]:
+    """The compiled model called twice before one backward: its graph runs twice with the same
+    params, so each param's gradient arrives summed once and its bucket launches only after
+    both forwards' contributions (the per-forward counts). fxzero next to DDP + AdamW."""
+    model, opt = _fxzero("gpt", fxzero.Config(bucket_size=2000, overlap_param_gather=overlap))
+    ref = build("gpt")
+    ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
+    forward = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    ref_forward = torch.compile(torch.nn.parallel.DistributedDataParallel(ref), backend="aot_eager")
+    same = []
+    for step in range(STEPS):
+        (x, y), (x2, y2) = _local("gpt", step), _local("gpt", 100 + step)
+        for fwd, optimizer in ((forward, opt), (ref_forward, ref_opt)):
+            (loss_fn("gpt", fwd(x), y) + 0.5 * loss_fn("gpt", fwd(x2), y2)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        opt.finish_param_sync()
+        same.append(all(map(torch.equal, model.parameters(), ref.parameters())))
+    return same
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overlap", [False, True], ids=["default", "overlap"])
+def test_two_forwards_then_one_backward_train_bit_for_bit_like_ddp(overlap: bool) -> None:
+    assert run_ranks(2, _two_forwards_beside_ddp, overlap, timeout=240) == [[True] * STEPS] * 2
