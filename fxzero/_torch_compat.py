@@ -379,7 +379,6 @@ def profiler_enabled() -> bool:
     return torch._C._autograd._profiler_enabled()
 
 
-
 def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
     """``optimizer.step`` without the wrapper ``torch.optim.Optimizer`` puts around every
     class's ``step`` (``Optimizer.profile_hook_step``: a profiler range and the global and
@@ -400,6 +399,7 @@ def unhooked_step(optimizer: torch.optim.Optimizer) -> Callable[[], Any]:
         return inner(optimizer)
 
     return run
+
 
 def with_state_dict_hooks(optimizer: torch.optim.Optimizer, produce: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``produce()`` between ``optimizer``'s state-dict hooks (``register_state_dict_pre_hook``

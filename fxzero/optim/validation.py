@@ -241,7 +241,9 @@ def check_param_groups_kept(groups: Sequence[dict[str, Any]], built: Sequence[Se
         change = f"it has {len(groups)} param groups; it was built with {len(built)}"
     else:
         index = next(i for i, (group, params) in enumerate(zip(groups, built)) if not _same_params(group, params))
-        change = f"param_groups[{index}]['params'] holds {len(groups[index]['params'])} params, not the {len(built[index])} it was built with"
+        now, then = len(groups[index]["params"]), len(built[index])
+        held = f"{now} params, not the {then}" if now != then else "other params than those"
+        change = f"param_groups[{index}]['params'] holds {held} it was built with"
     raise RuntimeError(
         f"fxzero: the optimizer's param_groups changed after construction ({change}). A DistributedOptimizer "
         "lays out its flat buffers once, so a param added to (or removed from) param_groups would not train (or "
