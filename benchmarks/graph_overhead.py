@@ -166,9 +166,9 @@ def op_rows(plain: dict[str, tuple[int, float]], fx: dict[str, tuple[int, float]
     """The ops whose call counts differ between the configs, most extra calls first."""
     per_graph = ("## Call CompiledFxGraph", "Torch-Compiled Region")  # named per compile: never equal
     none = (0, 0.0)
-    differ = [n for n in {*plain, *fx} if plain.get(n, none)[0] != fx.get(n, none)[0] and not n.startswith(per_graph)]
-    differ.sort(key=lambda n: (plain.get(n, none)[0] - fx.get(n, none)[0], n))
-    return [[n[:60], str(plain.get(n, none)[0]), str(fx.get(n, none)[0]), f"{fx.get(n, none)[1]:.0f}"] for n in differ]
+    both = {n: (plain.get(n, none)[0], *fx.get(n, none)) for n in {*plain, *fx} if not n.startswith(per_graph)}
+    differ = sorted((n for n, (p, f, _) in both.items() if p != f), key=lambda n: (both[n][0] - both[n][1], n))
+    return [[n[:60], str(both[n][0]), str(both[n][1]), f"{both[n][2]:.0f}"] for n in differ]
 
 
 def main() -> None:

@@ -445,17 +445,23 @@ def test_activation_checkpointing_trains_bit_for_bit_as_without_it() -> None:
     assert run_ranks(2, _with_and_without_checkpointing, timeout=240) == [[True, True]] * 2
 
 
-# ---- mixed precision by autocast over fp32 params ------------------------------------------
-def _autocast_beside_ddp(compiled: bool) -> list[bool]:
-    """fxzero and DDP + AdamW, each forward under ``torch.autocast(bfloat16)``: per step, the
-    same loss and the same params, bit for bit (both compiled alike, or both eager)."""
-    model, opt = _fxzero("gpt")
+def _fxzero_and_ddp(config: fxzero.Config, compiled: bool) -> tuple[tuple, tuple]:
+    """(model, forward, optimizer) of fxzero and of DDP + AdamW over the same GPT; compiled
+    alike (the fxzero backend with the eager inner compiler, ``aot_eager``) or both eager."""
+    model, opt = _fxzero("gpt", config)
     ref = build("gpt")
-    ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
     forward, ref_forward = model, torch.nn.parallel.DistributedDataParallel(ref)
     if compiled:
         forward = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
         ref_forward = torch.compile(ref_forward, backend="aot_eager")
+    return (model, forward, opt), (ref, ref_forward, torch.optim.AdamW(param_groups(ref), lr=LR))
+
+
+# ---- mixed precision by autocast over fp32 params ------------------------------------------
+def _autocast_beside_ddp(compiled: bool) -> list[bool]:
+    """fxzero and DDP + AdamW, each forward under ``torch.autocast(bfloat16)``: per step, the
+    same loss and the same params, bit for bit (both compiled alike, or both eager)."""
+    (model, forward, opt), (ref, ref_forward, ref_opt) = _fxzero_and_ddp(fxzero.Config(bucket_size=2000), compiled)
     same = []
     for step in range(STEPS):
         x, y = _local("gpt", step)
@@ -483,11 +489,8 @@ def _two_forwards_beside_ddp(overlap: bool) -> list[bool]:
     """The compiled model called twice before one backward: its graph runs twice with the same
     params, so each param's gradient arrives summed once and its bucket launches only after
     both forwards' contributions (the per-forward counts). fxzero next to DDP + AdamW."""
-    model, opt = _fxzero("gpt", fxzero.Config(bucket_size=2000, overlap_param_gather=overlap))
-    ref = build("gpt")
-    ref_opt = torch.optim.AdamW(param_groups(ref), lr=LR)
-    forward = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
-    ref_forward = torch.compile(torch.nn.parallel.DistributedDataParallel(ref), backend="aot_eager")
+    config = fxzero.Config(bucket_size=2000, overlap_param_gather=overlap)
+    (model, forward, opt), (ref, ref_forward, ref_opt) = _fxzero_and_ddp(config, compiled=True)
     same = []
     for step in range(STEPS):
         (x, y), (x2, y2) = _local("gpt", step), _local("gpt", 100 + step)

@@ -61,9 +61,9 @@ class ShardedState:
         caller told apart by its module), it is :meth:`consolidated_state_dict`: the whole
         state in plain format, what they read and what DCP's dedup of plain tensors keeps right.
         State-dict hooks registered on the optimizer run around either, as in torch.optim."""
-        if called_from_torch_checkpoint():  # asked here: it counts the frames above this method
-            return with_state_dict_hooks(self, self.consolidated_state_dict)  # type: ignore[arg-type]
-        return with_state_dict_hooks(self, self._rank_state_dict)  # type: ignore[arg-type]
+        # asked here, not inside the hooks' helper: it counts the frames above this method
+        produce = self.consolidated_state_dict if called_from_torch_checkpoint() else self._rank_state_dict
+        return with_state_dict_hooks(self, produce)  # type: ignore[arg-type]
 
     def _rank_state_dict(self) -> dict[str, Any]:
         self.finish_param_sync()
