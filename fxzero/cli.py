@@ -13,7 +13,8 @@ take one command, not a script. TARGET names a function that builds what to expl
 ``(model, example_inputs, optimizer)``. ``example_inputs`` is a tuple of positional
 arguments (a lone tensor is one argument). Without an optimizer the command makes a
 ``DistributedOptimizer`` (SGD; the wrapped optimizer does not change the layout) with
-``--bucket-size`` / ``--pad-for-high-busbw``.
+``--bucket-size`` / ``--pad-for-high-busbw`` / ``--overlap-param-gather`` (without it the
+step finishes every all-gather and the forward graphs carry no wait).
 
 It runs in one process, without a process group (world size 1). ``--world-size N``
 lays buckets out as N ranks would, on torch's ``"fake"`` process group (no
@@ -122,6 +123,9 @@ def _explain_parser(commands: Any) -> None:
     )
     explain.add_argument("--pad-for-high-busbw", action="store_true", help="pad shards to multiples of 2^16 elements")
     explain.add_argument(
+        "--overlap-param-gather", action="store_true", help="Config.overlap_param_gather: the forward graphs wait for gathers"
+    )
+    explain.add_argument(
         "--world-size", type=_world_size, default=None, help="lay buckets out for N ranks (fake process group)"
     )
     explain.add_argument(
@@ -157,7 +161,7 @@ def _optimizer(model: torch.nn.Module, args: argparse.Namespace) -> Any:
     from .distributed_optimizer import DistributedOptimizer
 
     size = "auto" if args.bucket_size is None else None if args.bucket_size == "none" else args.bucket_size
-    config = Config(bucket_size=size, pad_for_high_busbw=args.pad_for_high_busbw)
+    config = Config(bucket_size=size, pad_for_high_busbw=args.pad_for_high_busbw, overlap_param_gather=args.overlap_param_gather)
     return DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.0, config=config, module=model)
 
 
@@ -186,9 +190,10 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
         model, inputs, optimizer = unpack(factory(), getattr(factory, "__name__", args.target))
         if optimizer is None:
             optimizer = _optimizer(model, args)
-        elif args.bucket_size is not None or args.pad_for_high_busbw:
+        elif args.bucket_size is not None or args.pad_for_high_busbw or args.overlap_param_gather:
             parser.error(
-                "--bucket-size/--pad-for-high-busbw: TARGET returned its own optimizer, whose Config decides the layout"
+                "--bucket-size/--pad-for-high-busbw/--overlap-param-gather: TARGET returned its own optimizer, "
+                "whose Config decides the layout and the waits"
             )
         return explain(model, *inputs, optimizer=optimizer, inner_compiler=args.inner_compiler, dump_dir=args.dump_dir)
 

@@ -87,7 +87,8 @@ class Config:
     logged norms, ``model.state_dict()`` on rank 0 only, a second compiled model sharing the
     params. On, ``step()`` launches every bucket's gather (in forward order, on every rank, so
     a rank-0-only read afterwards never waits for a peer) and returns; each bucket is waited
-    right before its first read in the forward (compiled graphs: inserted waits; eager
+    right before its first read in the forward (compiled graphs: inserted waits, which graphs
+    compiled with this off do not carry; eager
     modules: forward pre-hooks; the managed module's ``state_dict()`` and copies of it:
     ``copy.deepcopy``, ``torch.save``). Any other read of
     the params before the next forward (another module holding the same Parameters,

@@ -56,25 +56,30 @@ class GraphCompiler:
         self,
         example_inputs: Sequence[Any],
         managed: list[ManagedParam],
-        owners: int,
+        forward_waits: Sequence[bool],
         *,
+        hooked: frozenset[int] = frozenset(),
         inductor: Optional[compat.InductorCompilers],
         dumper: Optional[dump.GraphDumper],
     ) -> None:
         flat, self.num_inputs = compat.flat_input_positions(example_inputs)
-        self.owners = owners
-        self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed]
-        """Managed params by AOTAutograd's flattened input position (what fxzero's passes
-        index: a DTensor param is its local tensor there): each gets its gather wait."""
+        self.owners = len(forward_waits)
         # A DTensor param's gradient keeps autograd's path (the eager post-accumulate hook
         # takes it, in its own placement): AOTAutograd rebuilds each gradient of a DTensor
         # input as a DTensor from the backward's outputs, and the hand-off's None there fails
-        # in DTensor.__tensor_unflatten__.
-        handed = [m for m in managed if not compat.is_dtensor(example_inputs[m.position])]
+        # in DTensor.__tensor_unflatten__. So does a param with tensor hooks (``hooked``), so
+        # that they see its gradient; both still get their gather waits.
+        handed = [m for m in managed if not compat.is_dtensor(example_inputs[m.position]) and m.position not in hooked]
         self.handed = [dataclasses.replace(m, position=flat[m.position]) for m in handed]
         """Those whose gradients the backward hands to fxzero (flattened positions)."""
         self.dynamo_handed = handed
         """The same by Dynamo input position (what the compiled Dynamo graph is called with)."""
+        self.unwaited = frozenset(m.owner for m in handed if not forward_waits[m.owner])
+        """Owners whose gathers never overlap a forward: no wait in the graph, the counting
+        wrapper checks instead that none is in flight (it runs on every call)."""
+        self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed if m.owner not in self.unwaited]
+        """Managed params by AOTAutograd's flattened input position (what fxzero's passes
+        index: a DTensor param is its local tensor there) that get a gather wait."""
         self._to_dynamo = {flat[m.position]: m.position for m in handed}
         self.inductor, self.dumper = inductor, dumper
         self.id = next(_graph_ids)
@@ -93,7 +98,7 @@ class GraphCompiler:
     ) -> "GraphCompiler":
         """Find the managed params among ``example_inputs``; build a dumper only when a
         dump directory, ``TORCH_TRACE``, the ``fxzero`` INFO log or a recorder wants one."""
-        owners, managed = managed_params(example_inputs)
+        owners, managed, forward_waits = managed_params(example_inputs)
         if not managed:
             _warn_if_unmanaged(example_inputs)
         names = compat.dynamo_input_names(gm)
@@ -102,8 +107,7 @@ class GraphCompiler:
         if recorder is not None or dump.resolve_dump_dir(dump_dir) is not None or compat.tracing() or dump.log.isEnabledFor(logging.INFO):
             dumper = dump.GraphDumper(dump_dir, owners, managed, names, example_inputs, recorder)
         inductor = compat.InductorCompilers(gm, len(example_inputs)) if inner_compiler == "inductor" else None
-        kept = [m for m in managed if m.position not in hooked]
-        return cls(example_inputs, kept, len(owners), inductor=inductor, dumper=dumper)
+        return cls(example_inputs, managed, forward_waits, hooked=frozenset(hooked), inductor=inductor, dumper=dumper)
 
     # ---- AOTAutograd's hooks ---------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -135,8 +139,9 @@ class GraphCompiler:
         if not self.handed:
             return compiled
         groups = [tuple(m.position for m in self.dynamo_handed if m.owner == o) for o in range(self.owners)]
+        unwaited = [group[0] for owner, group in enumerate(groups) if owner in self.unwaited]
         # Dynamo disables the wrapper as it would ``compiled``: one disable layer per call, not two.
-        return counting_forward(self.id, groups, lambda: self.delivered, compat.undisabled(compiled))
+        return counting_forward(self.id, groups, lambda: self.delivered, compat.undisabled(compiled), unwaited=unwaited)
 
     # ---- internals ---------------------------------------------------------------------
     def _run(self, kind: str, gm: fx.GraphModule, example_inputs: Any, passes: Passes) -> fx.GraphModule:
@@ -157,20 +162,22 @@ class GraphCompiler:
             return self.inductor.forward(gm, example_inputs, is_inference=kind == "inference", keep_outputs=keep)
 
 
-def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam]]:
-    """The optimizers owning params among ``example_inputs`` (first appearance first) and
-    those params, as each optimizer's ``bind`` describes them."""
+def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam], tuple[bool, ...]]:
+    """The optimizers owning params among ``example_inputs`` (first appearance first),
+    those params, as each optimizer's ``bind`` describes them, and whether a forward must
+    wait for each optimizer's gathers."""
     owners: list[Any] = []
     for value in example_inputs:
         owner = owner_of(value)
         if owner is not None and all(owner is not o for o in owners):
             owners.append(owner)
+    bindings = [owner.bind(example_inputs) for owner in owners]
     managed = [
         ManagedParam(position, index, bucket, example_inputs[position].numel())
-        for index, owner in enumerate(owners)
-        for position, bucket in zip(*dataclasses.astuple(owner.bind(example_inputs)))
+        for index, binding in enumerate(bindings)
+        for position, bucket in zip(binding.positions, binding.buckets)
     ]
-    return owners, sorted(managed, key=lambda m: m.position)
+    return owners, sorted(managed, key=lambda m: m.position), tuple(b.forward_waits for b in bindings)
 
 
 def _hooked_positions(example_inputs: Sequence[Any], managed: Sequence[ManagedParam], names: Sequence[str]) -> set[int]:

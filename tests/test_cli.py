@@ -90,7 +90,8 @@ def test_cli_errors_name_the_bad_argument(tmp_path: Path, capsys: pytest.Capture
     )
     assert "--world-size must be a whole number >= 1, got '0'" in _error([str(target), "--world-size", "0"], capsys)
     assert _error([f"{target}:with_optimizer", "--bucket-size", "64"], capsys).endswith(
-        "--bucket-size/--pad-for-high-busbw: TARGET returned its own optimizer, whose Config decides the layout"
+        "--bucket-size/--pad-for-high-busbw/--overlap-param-gather: TARGET returned its own optimizer, "
+        "whose Config decides the layout and the waits"
     )
 
 
@@ -109,7 +110,7 @@ def test_readme_shows_the_real_explain_output(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(ROOT)
-    command = "python -m fxzero explain examples/explain_mlp.py --bucket-size 5000 --world-size 2"
+    command = "python -m fxzero explain examples/explain_mlp.py --bucket-size 5000 --world-size 2 --overlap-param-gather"
     readme = (ROOT / "README.md").read_text()
     shown = readme.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
     assert main(command.split()[3:]) == 0

@@ -26,7 +26,8 @@ def _train_once(**options: Any) -> None:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
-    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32))
+    config = fxzero.Config(bucket_size=32, overlap_param_gather=True)  # the forward gets its waits
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=config, module=model)
     compiled = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager", **options})
     compiled(torch.randn(2, 4)).sum().backward()
     opt.zero_grad()
@@ -132,8 +133,8 @@ def test_trace_structured_artifacts_and_no_log_lines_without_torch_logs(capfd: p
         assert handler.seen[f"{stem}_{kind}_after"][0] == "string"
         assert "torch.ops.fxzero" in handler.seen[f"{stem}_{kind}_after"][1]
         assert handler.seen[f"{stem}_{kind}_diff"][1].startswith("--- ")
-    for kind in ("joint", "forward"):  # where fxzero's ops go in
-        assert "torch.ops.fxzero" not in handler.seen[f"{stem}_{kind}_before"][1]
+    for kind, op in (("joint", "grads_ready"), ("forward", "wait_params")):  # where fxzero's ops go in
+        assert f"torch.ops.fxzero.{op}" not in handler.seen[f"{stem}_{kind}_before"][1]
     encoding, payload = handler.seen[f"{stem}_summary"]
     assert encoding == "json" and len(json.loads(payload)["buckets"]) == 2
     # TORCH_LOGS is not set in this process: fxzero's INFO lines stay silent.

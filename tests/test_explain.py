@@ -13,9 +13,8 @@ from models import GPT, GPTArgs
 def _mlp_and_optimizer() -> tuple[torch.nn.Module, fxzero.DistributedOptimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
-    opt = fxzero.DistributedOptimizer(
-        model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32), module=model
-    )
+    config = fxzero.Config(bucket_size=32, overlap_param_gather=True)  # the forward graphs get their waits
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=config, module=model)
     return model, opt
 
 
@@ -100,7 +99,8 @@ the model's own in its graphs: none
     def test_graph_break_golden_bucket_spans_both_graphs(self) -> None:
         torch.manual_seed(0)
         model = _Broken()
-        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model)
+        config = fxzero.Config(overlap_param_gather=True)
+        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=config, module=model)
         before = [p.detach().clone() for p in model.parameters()]
         text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
         self.assertExpectedInline(text, """\

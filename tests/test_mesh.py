@@ -234,10 +234,11 @@ def test_dp2_tp2_trains_like_one_process_on_the_global_batch() -> None:
 def test_dp2_tp2_compiled_trains_like_one_process_and_overlap_is_bitwise(inner: str) -> None:
     """torch.compile(model, backend="fxzero") of the TP model: the same parity and norms as
     eager, and overlap_param_gather on gives bitwise the losses, norms and params of off
-    (through the same compiled graphs). One block: it holds every placement (colwise,
-    rowwise, sequence-parallel norms) and a second only lengthens the cold compiles."""
-    runs = run_ranks(4, _runs_dp_tp, 2, 2, inner, (False, True), torch.float32, Args(layers=1), timeout=400)
-    off, on = [r[0] for r in runs], [r[1] for r in runs]
+    (through the same compiled graphs, compiled for the overlap run, so with their waits).
+    One block: it holds every placement (colwise, rowwise, sequence-parallel norms) and a
+    second only lengthens the cold compiles."""
+    runs = run_ranks(4, _runs_dp_tp, 2, 2, inner, (True, False), torch.float32, Args(layers=1), timeout=400)
+    on, off = [r[0] for r in runs], [r[1] for r in runs]
     _assert_parity(off)
     for a, b in zip(off, on):
         assert a["steps"] == b["steps"], (a["steps"], b["steps"])

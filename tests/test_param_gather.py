@@ -141,27 +141,30 @@ def test_gradient_accumulation_gathers_only_after_the_step() -> None:
 
 
 # ---- the rewritten forward graph ------------------------------------------------------
+def _first_forward_code(overlap: bool) -> str:
+    """The forward graph after fxzero's passes of a two-bucket MLP (comments and blanks dropped)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    config = fxzero.Config(bucket_size=32, overlap_param_gather=overlap)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=config, module=model)
+    assert len(opt.buckets) == 2
+    graphs = []
+    original = fxzero.graph_compiler.run_forward_passes
+
+    def capture(gm, example_inputs, **kwargs):  # type: ignore[no-untyped-def]
+        graphs.append(original(gm, example_inputs, **kwargs))
+        return graphs[-1]
+
+    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    with mock.patch.object(fxzero.graph_compiler, "run_forward_passes", capture):
+        cmodel(torch.randn(5, 4)).sum().backward()
+    return "\n".join(l for l in graphs[0].code.strip().splitlines() if l.strip() and not l.strip().startswith("#"))
+
+
 class TestRewrittenForward(TestCase):
     def test_each_bucket_is_waited_right_before_its_first_read(self) -> None:
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
-        opt = fxzero.DistributedOptimizer(
-            model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32), module=model
-        )
-        self.assertEqual(len(opt.buckets), 2)
-        graphs = []
-        original = fxzero.graph_compiler.run_forward_passes
-
-        def capture(gm, example_inputs, **kwargs):  # type: ignore[no-untyped-def]
-            graphs.append(original(gm, example_inputs, **kwargs))
-            return graphs[-1]
-
-        cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
-        with mock.patch.object(fxzero.graph_compiler, "run_forward_passes", capture):
-            cmodel(torch.randn(5, 4)).sum().backward()
-        code = "\n".join(l for l in graphs[0].code.strip().splitlines() if l.strip() and not l.strip().startswith("#"))
-        self.assertExpectedInline(code, """\
+        self.assertExpectedInline(_first_forward_code(overlap=True), """\
 def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
     wait_params_default = torch.ops.fxzero.wait_params.default([primals_2, primals_3]);  wait_params_default = None
     t = torch.ops.aten.t.default(primals_2)
@@ -169,6 +172,19 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
     relu = torch.ops.aten.relu.default(addmm);  addmm = None
     detach = torch.ops.aten.detach.default(relu)
     wait_params_default_1 = torch.ops.fxzero.wait_params.default([primals_4, primals_5]);  wait_params_default_1 = None
+    t_1 = torch.ops.aten.t.default(primals_4)
+    addmm_1 = torch.ops.aten.addmm.default(primals_5, relu, t_1)
+    return (addmm_1, primals_1, primals_2, primals_3, primals_4, primals_5, relu, detach, t_1)""")
+
+    def test_without_overlap_the_forward_has_no_wait(self) -> None:
+        """Overlap off (the default), ``step()`` returns with every gather finished: a wait
+        in the graph would be a call out of it per graph run that never waits."""
+        self.assertExpectedInline(_first_forward_code(overlap=False), """\
+def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
+    t = torch.ops.aten.t.default(primals_2)
+    addmm = torch.ops.aten.addmm.default(primals_3, primals_1, t);  t = None
+    relu = torch.ops.aten.relu.default(addmm);  addmm = None
+    detach = torch.ops.aten.detach.default(relu)
     t_1 = torch.ops.aten.t.default(primals_4)
     addmm_1 = torch.ops.aten.addmm.default(primals_5, relu, t_1)
     return (addmm_1, primals_1, primals_2, primals_3, primals_4, primals_5, relu, detach, t_1)""")

@@ -209,7 +209,9 @@ def _schedule_line(explained: "Explained", bucket: int) -> str:
     if len(launches) > 1:
         rs += " (at the last of these to run)"
     ag = f"all-gather waited in {', '.join(waits)}" if waits else "all-gather waited by eager hooks"
-    if len(waits) > 1:
+    if not explained.optimizer.param_sync.overlaps_forward:
+        ag = "all-gather finished inside step() (overlap_param_gather off: no wait in the graphs)"
+    elif len(waits) > 1:
         ag += " (by the first to run)"
     return f"bucket {bucket}: {rs}; {ag}"
 

@@ -92,6 +92,11 @@ class InputBinding:
     """Input positions of the managed params, ascending."""
     buckets: tuple[int, ...]
     """Bucket index of each, at compile time (plans group by it; the runtime re-resolves)."""
+    forward_waits: bool = True
+    """Whether a forward can find one of this optimizer's gathers in flight
+    (``Config.overlap_param_gather`` with something to gather): only then does a compiled
+    forward carry ``fxzero::wait_params``; otherwise its counting wrapper checks, per call,
+    that no bucket is stale (:func:`counting_forward`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -154,7 +159,7 @@ class GraphBinding:
     def describe(self, inputs: Sequence[Any]) -> InputBinding:
         """This optimizer's params among ``inputs`` (a graph's example inputs)."""
         mine = tuple(i for i, x in enumerate(inputs) if self.manages(x))
-        return InputBinding(mine, tuple(self._bucket(inputs[p]) for p in mine))
+        return InputBinding(mine, tuple(self._bucket(inputs[p]) for p in mine), self.param_sync.overlaps_forward)
 
     def manages(self, value: Any) -> bool:
         return self.table.find(value) is not None
@@ -230,6 +235,14 @@ class GraphBinding:
             buckets = self._wait_buckets[key] = tuple(sorted(found, reverse=True))  # forward order
         self.param_sync.wait_many(buckets)
 
+    def land_all(self) -> None:
+        """A graph compiled with no wait (its optimizer then finished every gather inside
+        ``step()``) runs while this optimizer has gathers in flight (a successor built with
+        ``overlap_param_gather`` over the same params): land every bucket first, so it
+        reads current values, without the overlap."""
+        if self.param_sync.stale:
+            self.param_sync.finish()
+
     # ---- each run of a compiled forward --------------------------------------------
     def forward_ran(self, graph: int, params: Sequence[Any], positions: Sequence[int], delivered: frozenset[int], node: Any) -> None:
         """A compiled forward (``graph`` identifies it) ran with ``params`` at input
@@ -253,14 +266,25 @@ class GraphBinding:
 
 
 def counting_forward(
-    graph: int, positions: Sequence[Sequence[int]], delivered: Callable[[], frozenset[int]], compiled: Callable[..., Any]
+    graph: int,
+    positions: Sequence[Sequence[int]],
+    delivered: Callable[[], frozenset[int]],
+    compiled: Callable[..., Any],
+    *,
+    unwaited: Sequence[int] = (),
 ) -> Callable[..., Any]:
     """Wrap a compiled Dynamo graph so that each run that builds an autograd graph tells
     the owner of each group of ``positions`` (one per optimizer) which gradients its
-    backward will deliver (``delivered()``: known once the graph is partitioned)."""
+    backward will deliver (``delivered()``: known once the graph is partitioned).
+    ``unwaited``: the position of one param of each optimizer the graph has no wait for;
+    before each run their optimizers land any gather still in flight
+    (:meth:`GraphBinding.land_all`), which a graph compiled with waits does itself."""
     groups = [(tuple(group), _getter(group)) for group in positions if group]
+    unwaited = tuple(unwaited)
 
     def run(*args: Any) -> Any:
+        for position in unwaited:
+            binding_of(args[position]).land_all()
         outputs = compiled(*args)
         node = backward_node(outputs)
         if node is not None:

@@ -136,6 +136,13 @@ class ParamSync:
         compiled graph's wait return before looking its params up."""
         self._next_launch = n  # position in self.order of the next gather to launch
 
+    @property
+    def overlaps_forward(self) -> bool:
+        """Whether a gather can still be in flight when a forward runs: only then do
+        compiled forwards carry ``fxzero::wait_params``. Off when :meth:`start` finishes
+        every gather inside the step (overlap off, the default)."""
+        return self.overlap
+
     def start(self) -> None:
         """The step updated every shard: gather them (launch all, or launch all and wait)."""
         if self.dp.size == 1 and not self.gather.needs_landing:

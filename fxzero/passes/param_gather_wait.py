@@ -6,8 +6,9 @@ With ``Config.overlap_param_gather`` the param all-gathers are still in flight w
 1. plans, per bucket, the first node (graph order) that reads any of its params, as
    plain data (:func:`plan_waits`);
 2. inserts ``fxzero::wait_params(params)`` right before it, ``params`` being this
-   graph's inputs of that bucket; the op waits for the bucket's gather and lands it
-   (a no-op when the step already did, overlap off).
+   graph's inputs of that bucket; the op waits for the bucket's gather and lands it.
+   Only params whose optimizer overlaps its gathers with the forward are given to the pass
+   (:mod:`fxzero.graph_compiler`): without overlap the step finishes every gather.
 
 The order is a data dependency, not a lucky schedule: the op's schema declares that it
 **writes** ``params`` (``Tensor(a!)[]``), so a compiler must keep every read of them that
