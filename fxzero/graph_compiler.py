@@ -38,7 +38,7 @@ from .optim.binding import counting_forward, owner_of
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
 from .passes.bucket_reduce_scatter import ManagedParam
 from .passes.matchers import is_grads_ready
-from .passes.param_gather_wait import hoist_waits_above_readers, waited_params_returned
+from .passes.param_gather_wait import hoist_waits_above_readers, params_returned
 
 __all__ = ["GraphCompiler", "managed_params"]
 
@@ -80,6 +80,8 @@ class GraphCompiler:
         self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed if m.owner not in self.unwaited]
         """Managed params by AOTAutograd's flattened input position (what fxzero's passes
         index: a DTensor param is its local tensor there) that get a gather wait."""
+        self.returned = frozenset(flat[m.position] for m in managed)
+        """Every managed param (flattened position): the forward returns them as they are."""
         self._to_dynamo = {flat[m.position]: m.position for m in handed}
         self.inductor, self.dumper = inductor, dumper
         self.id = next(_graph_ids)
@@ -156,8 +158,9 @@ class GraphCompiler:
         # Inductor's own FX rewrites run after fxzero's passes: the last of them puts any
         # param read they moved above its bucket's wait back below it. The params the
         # forward returns for the backward are returned as they are (no layout copy made
-        # at the graph's start, before the waits: see compat.InductorCompilers).
-        keep = waited_params_returned(gm)
+        # at the graph's start, before the waits, nor handed to the backward's hand-off:
+        # see compat.InductorCompilers).
+        keep = params_returned(gm, self.returned)
         with compat.inductor_post_grad_pass(hoist_waits_above_readers, _pass_uuid()):
             return self.inductor.forward(gm, example_inputs, is_inference=kind == "inference", keep_outputs=keep)
 

@@ -219,16 +219,23 @@ def test_a_compiled_graph_call_leaves_dynamo_once_like_plain_torch_compile(inner
 
 
 def test_a_wait_with_no_stale_bucket_looks_nothing_up() -> None:
-    """World size 1 gathers nothing: a compiled graph's ``wait_params`` returns before resolving
-    its params (the cache it would fill stays empty), and training is unchanged."""
+    """World size 1 gathers nothing: a compiled graph's ``wait_params`` (there with overlap on)
+    returns before resolving its params (the cache it would fill stays empty), and training is
+    unchanged."""
     torch.compiler.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
     reference = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8))
     reference.load_state_dict(model.state_dict())
-    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model)
+    config = fxzero.Config(overlap_param_gather=True)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model, config=config)
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    binding = fxzero.optim.binding.GraphBinding
+    with mock.patch.object(binding, "wait", autospec=True, side_effect=binding.wait) as wait:
+        cmodel(torch.randn(4, 8)).sum().backward()
+    opt.zero_grad()
+    assert wait.call_count == 1  # the graph's one bucket: the wait is in the graph
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
         for m, o in ((cmodel, opt), (reference, ref_opt)):

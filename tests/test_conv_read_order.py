@@ -92,7 +92,7 @@ def test_conv_params_are_read_only_after_their_wait(name: str) -> None:
     torch.manual_seed(0)
     model = make()
     reference = copy.deepcopy(model)
-    config = fxzero.Config(bucket_size=1)  # one bucket per param: the waits spread through the graph
+    config = fxzero.Config(bucket_size=1, overlap_param_gather=True)  # one bucket per param: the waits spread through the graph
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, config=config, module=model)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     cmodel = torch.compile(model, backend="fxzero")  # Inductor

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Mapping, Sequence
+from typing import Collection, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -42,7 +42,7 @@ import torch.fx as fx
 from .bucket_reduce_scatter import ManagedParam
 from .matchers import WAIT_META, copy_node_provenance, graph_output, is_wait_params, remove_module_marks
 
-__all__ = ["GatherWait", "WaitPlan", "hoist_waits_above_readers", "param_gather_wait_pass", "plan_waits", "waited_params_returned"]
+__all__ = ["GatherWait", "WaitPlan", "hoist_waits_above_readers", "param_gather_wait_pass", "params_returned", "plan_waits"]
 
 log = logging.getLogger(__name__)
 
@@ -133,14 +133,16 @@ def hoist_waits_above_readers(graph: fx.Graph) -> int:
     return moved
 
 
-def waited_params_returned(gm: fx.GraphModule) -> tuple[int, ...]:
-    """Output positions of the forward that return a param some wait covers (saved for
-    the backward). A compiler must return those exactly as it got them: a copy of one
-    (Inductor's channels-last copy of a conv weight) would be made when the input is
-    lowered, before the wait, and would hand the backward last step's values."""
-    waited = {p for n in gm.graph.nodes if is_wait_params(n) for p in n.args[0]}
+def params_returned(gm: fx.GraphModule, positions: Collection[int]) -> tuple[int, ...]:
+    """Output positions of the forward that return the managed param at one of the input
+    ``positions`` (saved for the backward). A compiler must return those exactly as it got
+    them: a copy of one (Inductor's channels-last copy of a conv weight) would be made when
+    the input is lowered, before any wait, and would hand the backward last step's values;
+    and the backward's hand-off (``fxzero::grads_ready``) takes only the params themselves."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    managed = {placeholders[p] for p in positions}
     outputs = graph_output(gm.graph).args[0]
-    return tuple(i for i, node in enumerate(outputs) if node in waited)
+    return tuple(i for i, node in enumerate(outputs) if node in managed)
 
 
 def param_gather_wait_pass(
