@@ -180,6 +180,9 @@ def test_gpt_graph_break_tied_embedding_bucket_spans_graphs() -> None:
     assert "buckets spanning several graphs: 3 (graphs 0, 1)" in text
     assert "def forward(self, primals_1, wte.weight, wpe.weight):" in text
     assert "bucket 3: reduce-scatter launches in graph 0 backward at node " in text
+    # overlap off (the default): the step finishes the gathers, the forwards wait for nothing
+    assert "wait_params" not in text
+    assert "; all-gather finished inside step() (overlap_param_gather off: no wait in the graphs)\n" in text
 
 
 def test_explain_names_its_bad_arguments() -> None:

@@ -53,7 +53,7 @@ def _data(name: str, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 def _train_fxzero(name: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = _build(name)
-    config = fxzero.Config(bucket_size=4000)
+    config = fxzero.Config(bucket_size=4000, overlap_param_gather=True)  # the prefetch: the forwards wait
     opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
     cmodel = torch.compile(model, backend="fxzero")  # Inductor, prefetch on
     losses, local = [], GLOBAL // world
