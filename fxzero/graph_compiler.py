@@ -83,6 +83,10 @@ class GraphCompiler:
         self.returned = frozenset(flat[m.position] for m in managed)
         """Every managed param (flattened position): the forward returns them as they are."""
         self._to_dynamo = {flat[m.position]: m.position for m in handed}
+        known = {m.position for m in managed}
+        self.unmanaged = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter) and i not in known)
+        """Params no optimizer managed at compile time: one built later has no wait in this
+        graph (:func:`~fxzero.optim.binding.counting_forward` checks for that on every call)."""
         self.inductor, self.dumper = inductor, dumper
         self.id = next(_graph_ids)
         self.delivered: frozenset[int] = frozenset()
@@ -138,12 +142,14 @@ class GraphCompiler:
     def counting(self, compiled: Callable) -> Callable:
         """The compiled Dynamo graph, telling each owner after every run which gradients
         the backward from its outputs will deliver."""
-        if not self.handed:
+        if not self.handed and not self.unmanaged:
             return compiled
         groups = [tuple(m.position for m in self.dynamo_handed if m.owner == o) for o in range(self.owners)]
         unwaited = [group[0] for owner, group in enumerate(groups) if owner in self.unwaited]
         # Dynamo disables the wrapper as it would ``compiled``: one disable layer per call, not two.
-        return counting_forward(self.id, groups, lambda: self.delivered, compat.undisabled(compiled), unwaited=unwaited)
+        return counting_forward(
+            self.id, groups, lambda: self.delivered, compat.undisabled(compiled), unwaited=unwaited, unmanaged=self.unmanaged
+        )
 
     # ---- internals ---------------------------------------------------------------------
     def _run(self, kind: str, gm: fx.GraphModule, example_inputs: Any, passes: Passes) -> fx.GraphModule:

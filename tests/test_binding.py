@@ -138,6 +138,38 @@ def test_a_graph_compiled_without_waits_lands_the_gathers_of_a_successor_that_ov
     assert runs[True] == runs[False]
 
 
+def _losses_with_warm_up(warm_up: bool) -> list[float]:
+    """4 steps of an MLP under MXFP8 gathers with overlap (world size 1: each step leaves
+    its buckets to be landed by the next forward), compiled before or after its optimizer."""
+    torch.compiler.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
+    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    if warm_up:  # a forward and backward before any optimizer exists: plain torch.compile's graphs
+        with pytest.warns(UserWarning, match="not managed by any fxzero.DistributedOptimizer"):
+            cmodel(torch.randn(4, 8)).sum().backward()
+        model.zero_grad()
+    opt = _mxfp8(model, overlap=True)
+    losses = []
+    for step in range(4):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+        loss = cmodel(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def test_a_graph_compiled_before_its_optimizer_existed_lands_the_gathers_and_says_so() -> None:
+    """Its params were nobody's when it compiled: no wait, no hand-off. Run after an optimizer
+    with overlap took them, it lands every bucket first (it read last step's values before),
+    and warns once with the fix."""
+    expected = _losses_with_warm_up(False)
+    with pytest.warns(UserWarning, match=r"read params of a DistributedOptimizer before the optimizer existed.*torch\.compiler\.reset\(\)"):
+        assert _losses_with_warm_up(True) == expected
+
+
 def test_one_launch_whose_params_span_buckets_reaches_each_bucket() -> None:
     """What a graph compiled for one layout hands an optimizer with another: the op's
     params are resolved against the optimizer that owns them now."""

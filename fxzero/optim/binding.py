@@ -30,7 +30,9 @@ is refused with an error saying so, never looked up by shape or position.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import operator
+import warnings
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -272,19 +274,26 @@ def counting_forward(
     compiled: Callable[..., Any],
     *,
     unwaited: Sequence[int] = (),
+    unmanaged: Sequence[int] = (),
 ) -> Callable[..., Any]:
     """Wrap a compiled Dynamo graph so that each run that builds an autograd graph tells
     the owner of each group of ``positions`` (one per optimizer) which gradients its
     backward will deliver (``delivered()``: known once the graph is partitioned).
     ``unwaited``: the position of one param of each optimizer the graph has no wait for;
     before each run their optimizers land any gather still in flight
-    (:meth:`GraphBinding.land_all`), which a graph compiled with waits does itself."""
+    (:meth:`GraphBinding.land_all`), which a graph compiled with waits does itself.
+    ``unmanaged``: the positions of params no optimizer managed at compile time; should one
+    manage them now (built after this graph compiled), its gathers are landed the same way
+    (one C-level scan of those params per call; the lookups only once one is managed)."""
     groups = [(tuple(group), _getter(group)) for group in positions if group]
     unwaited = tuple(unwaited)
+    late = _getter(unmanaged) if unmanaged else None
 
     def run(*args: Any) -> Any:
         for position in unwaited:
             binding_of(args[position]).land_all()
+        if late is not None and any(map(hasattr, late(args), _OWNER_ATTRIBUTE)):
+            _land_adopted(graph, late(args))
         outputs = compiled(*args)
         node = backward_node(outputs)
         if node is not None:
@@ -294,6 +303,26 @@ def counting_forward(
         return outputs
 
     return run
+
+
+_OWNER_ATTRIBUTE = itertools.repeat("_fxzero_owner")
+
+
+def _land_adopted(graph: int, params: Sequence[Any]) -> None:
+    """Params this graph read unmanaged (it compiled before their optimizer existed) are
+    managed now: their gathers get no wait in it, so every bucket is landed before it runs,
+    and their gradients take autograd's path to the optimizer's hooks. Exact, not overlapped.
+    (Python's warning registry shows the warning once per graph.)"""
+    owners = {id(o): o for o in map(owner_of, params) if o is not None}
+    if owners:
+        warnings.warn(
+            f"fxzero: compiled graph {graph} read params of a DistributedOptimizer before the optimizer existed; it "
+            "runs without in-graph waits and gradient hand-offs (exact, slower). Build the optimizer before the "
+            "first compiled call, or call torch.compiler.reset() after building it.",
+            stacklevel=3,
+        )
+    for owner in owners.values():
+        owner.binding.land_all()
 
 
 def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:
