@@ -6,8 +6,9 @@ by identity (``optimizer.bind(example_inputs)``). The joint graph gets the bucke
 (:mod:`fxzero.passes.param_gather_wait`) of the optimizers that overlap their gathers with
 the forward; then Inductor (or nothing, for ``"eager"``) compiles them. Where a graph has
 no wait for a param's optimizer (overlap off when it compiled, or no optimizer yet), its
-counting wrapper lands that optimizer's gathers before each run instead. A :class:`GraphCompiler` keeps plain data (positions, plans) and, only
-when someone asked for one, a dump record: never an optimizer. At run time the ops find
+counting wrapper lands that optimizer's gathers before each run instead. A
+:class:`GraphCompiler` keeps plain data (positions, plans) and, only when someone asked for
+one, a dump record: never an optimizer. At run time the ops find
 the optimizer through the params (:mod:`fxzero.optim.binding`).
 
 Each run of the compiled forward tells the owners how many gradients its backward will

@@ -96,9 +96,9 @@ class InputBinding:
     """Bucket index of each, at compile time (plans group by it; the runtime re-resolves)."""
     forward_waits: bool = True
     """Whether a forward can find one of this optimizer's gathers in flight
-    (``Config.overlap_param_gather`` with something to gather): only then does a compiled
-    forward carry ``fxzero::wait_params``; otherwise its counting wrapper checks, per call,
-    that no bucket is stale (:func:`counting_forward`)."""
+    (``Config.overlap_param_gather``): only then does a compiled forward carry
+    ``fxzero::wait_params``; otherwise its counting wrapper checks, per call, that no bucket
+    is stale (:func:`counting_forward`)."""
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
