@@ -185,6 +185,19 @@ def test_gpt_graph_break_tied_embedding_bucket_spans_graphs() -> None:
     assert "; all-gather finished inside step() (overlap_param_gather off: no wait in the graphs)\n" in text
 
 
+def test_explain_shows_the_same_graphs_whatever_the_process_explained_before() -> None:
+    """Each explain compiles a frame of its own, with static shapes: explains of other models
+    and shapes before it once made it compile with dynamic shapes (other graphs), and from the
+    ninth on Dynamo's recompile limit left it with no graph at all."""
+    model, opt = _mlp_and_optimizer()
+    first = fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
+    for width in range(5, 14):  # nine other models and shapes
+        other = torch.nn.Sequential(torch.nn.Linear(width, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+        other_opt = fxzero.DistributedOptimizer(other.parameters(), torch.optim.SGD, lr=0.1, module=other)
+        assert "== graph 0: 4 params" in fxzero.explain(other, torch.randn(width - 2, width), optimizer=other_opt)
+    assert fxzero.explain(model, torch.randn(2, 4), optimizer=opt) == first
+
+
 def test_explain_names_its_bad_arguments() -> None:
     model, opt = _mlp_and_optimizer()
     x = torch.randn(2, 4)

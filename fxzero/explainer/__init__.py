@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import types
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -112,16 +113,27 @@ class _Recording:
 
 def _run_once(model: torch.nn.Module, inputs: Sequence[Any], optimizer: Any, options: dict[str, Any]) -> list[Graph]:
     recording = _Recording()
-
-    def run(*args: Any) -> Any:  # a frame of explain's own: Dynamo compiles it afresh, leaving the user's entries
-        return model(*args)
-
-    compiled = torch.compile(run, backend="fxzero", options={**options, "recorder": recording})
+    # dynamic=False: shapes as a first compile sees them. Dynamo's shape profile is kept per
+    # function name and line, so a previous explain in the process (other shapes) would
+    # otherwise make this one compile with dynamic shapes: other graphs than a training run's.
+    compiled = torch.compile(_own_frame(model), backend="fxzero", dynamic=False, options={**options, "recorder": recording})
     with optimizer.no_sync():
         out = compiled(*inputs)
         (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
     optimizer.zero_grad()
     return recording.graphs
+
+
+def _own_frame(model: torch.nn.Module) -> Any:
+    """``model(*args)`` in a frame of this explain's own: Dynamo compiles it afresh, leaving
+    the user's entries. Its code object is made for this call: Dynamo keeps compiled frames
+    per code object, and with one shared by every explain, explains of other models or
+    shapes would pile up on it until Dynamo's recompile limit."""
+
+    def run(*args: Any) -> Any:
+        return model(*args)
+
+    return types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
 
 
 def _param_names(model: torch.nn.Module) -> dict[int, str]:
