@@ -4,6 +4,8 @@
   in a fresh process, memory growth compared with plain torch.compile + torch.optim);
 * a new optimizer over the params of an already-compiled model takes over its graphs and
   trains exactly like torch.optim; without one, the compiled model says what to call;
+* a graph with no wait for an optimizer's gathers (compiled with overlap off, or before the
+  optimizer existed) lands them before it runs when an optimizer that overlaps takes it over;
 * a graph Dynamo reuses for N identical blocks is compiled once, not once per block;
 * a call of a compiled graph leaves Dynamo as often as under plain torch.compile (the
   counting wrapper is not disabled twice), and its wait returns at once when nothing is stale.
