@@ -190,6 +190,34 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5):
     return (addmm_1, primals_1, primals_2, primals_3, primals_4, primals_5, relu, detach, t_1)""")
 
 
+def _written_after_step(finish_first: bool) -> tuple[torch.nn.Module, Any, torch.Tensor]:
+    """One step with the gathers left in flight (MXFP8 at world size 1: buckets wait to be
+    landed), then an in-place write into a param, with or without finishing them first."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    config = fxzero.Config(bucket_size=2000, mxfp8_param_gather=True, overlap_param_gather=True)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, config=config, module=model)
+    model(torch.randn(5, 4)).sum().backward()
+    opt.step()
+    assert any(opt.param_sync.pending)
+    if finish_first:
+        opt.finish_param_sync()
+    stepped = model[0].weight.detach().clone()
+    with torch.no_grad():
+        model[0].weight.mul_(0.5)
+    return model, opt, stepped  # the optimizer kept alive: its hooks go with it
+
+
+def test_a_param_written_in_place_while_its_gather_is_in_flight_is_an_error_naming_the_fix() -> None:
+    """With overlap on, the bucket's landing would overwrite the write (it once did, silently)."""
+    model, opt, _ = _written_after_step(finish_first=False)
+    with pytest.raises(RuntimeError, match=r"written in place after step\(\) .*Call opt\.finish_param_sync\(\) after step\(\) before writing params"):
+        model(torch.randn(5, 4))
+    model, opt, stepped = _written_after_step(finish_first=True)  # what the message says
+    model(torch.randn(5, 4))
+    assert torch.equal(model[0].weight, stepped * 0.5)
+
+
 def _profiled_step() -> tuple[bool, bool]:
     model = build("gpt")
     config = fxzero.Config(overlap_param_gather=True)

@@ -35,6 +35,7 @@ ParamSync only orders launches, waits and landings.
 from __future__ import annotations
 
 import logging
+import operator
 import weakref
 from typing import Any, Optional, Protocol, Sequence
 
@@ -47,6 +48,8 @@ from .comm import DataParallelGroup
 from .param_table import ParamTable
 
 __all__ = ["Gather", "ParamSync", "PlainGather", "install_param_waits"]
+
+_VERSION = operator.attrgetter("_version")
 
 log = logging.getLogger(__name__)
 
@@ -135,6 +138,9 @@ class ParamSync:
         """How many buckets are stale: 0 (world size 1, or every gather landed) lets a
         compiled graph's wait return before looking its params up."""
         self._next_launch = n  # position in self.order of the next gather to launch
+        self._params = tuple(p for b in self.buckets for p in b.params)
+        self._launched_versions: Optional[list[int]] = None
+        """The params' version counters right after step() launched the gathers (see _check_untouched)."""
 
     @property
     def overlaps_forward(self) -> bool:
@@ -155,6 +161,7 @@ class ParamSync:
         # while gloo work started under it is in flight crashed the next wait (torch 2.13).
         if self.overlap and not profiler_enabled():
             self._launch_through(len(self.order) - 1)
+            self._launched_versions = list(map(_VERSION, self._params))
         else:
             self.finish()
 
@@ -174,6 +181,8 @@ class ParamSync:
         overlap the compute that reads it, the next one, if not launched yet)."""
         if not self._stale[index]:
             return
+        if self._launched_versions is not None:
+            self._check_untouched()
         self._launch_through(self._position[index] + 1)
         work = self._works[index]
         if work is not None:
@@ -182,6 +191,20 @@ class ParamSync:
         self.gather.land(index)
         self._stale[index] = False
         self.stale -= 1
+
+    def _check_untouched(self) -> None:
+        """The first wait after ``step()``: no managed param may have been written in place
+        since the step launched the gathers (every bucket was pending then, and its gather or
+        landing overwrites such a write). Later writes are not checked (a landed bucket may be
+        written). One C-level pass over the params' version counters; writes through
+        ``p.data`` (a counter of its own) are not seen."""
+        launched, self._launched_versions = self._launched_versions, None
+        if launched != list(map(_VERSION, self._params)):
+            raise RuntimeError(
+                "fxzero: a managed param was written in place after step() while the all-gathers that step launched "
+                "were in flight (Config.overlap_param_gather=True): the gather would overwrite the write. Call "
+                "opt.finish_param_sync() after step() before writing params, or set overlap_param_gather=False."
+            )
 
     def wait_many(self, indices: Sequence[int]) -> None:
         for index in indices:
