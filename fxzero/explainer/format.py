@@ -208,11 +208,12 @@ def _schedule_line(explained: "Explained", bucket: int) -> str:
     rs = f"reduce-scatter launches in {', '.join(launches)}" if launches else "reduce-scatter launched by eager hooks"
     if len(launches) > 1:
         rs += " (at the last of these to run)"
-    ag = f"all-gather waited in {', '.join(waits)}" if waits else "all-gather waited by eager hooks"
-    if not explained.optimizer.param_sync.overlaps_forward:
+    if not explained.optimizer.param_sync.overlap:
         ag = "all-gather finished inside step() (overlap_param_gather off: no wait in the graphs)"
-    elif len(waits) > 1:
-        ag += " (by the first to run)"
+    elif waits:
+        ag = f"all-gather waited in {', '.join(waits)}" + (" (by the first to run)" if len(waits) > 1 else "")
+    else:
+        ag = "all-gather waited by eager hooks"
     return f"bucket {bucket}: {rs}; {ag}"
 
 

@@ -161,7 +161,7 @@ class GraphBinding:
     def describe(self, inputs: Sequence[Any]) -> InputBinding:
         """This optimizer's params among ``inputs`` (a graph's example inputs)."""
         mine = tuple(i for i, x in enumerate(inputs) if self.manages(x))
-        return InputBinding(mine, tuple(self._bucket(inputs[p]) for p in mine), self.param_sync.overlaps_forward)
+        return InputBinding(mine, tuple(self._bucket(inputs[p]) for p in mine), self.param_sync.overlap)
 
     def manages(self, value: Any) -> bool:
         return self.table.find(value) is not None

@@ -125,6 +125,8 @@ class ParamSync:
         """Per bucket, its params as failed collectives name them."""
         self.dp = dp
         self.overlap = overlap
+        """Whether :meth:`start` leaves the gathers in flight for the forward: only then do
+        compiled forwards carry ``fxzero::wait_params`` (off, the step finishes every gather)."""
         self.gather = gather if gather is not None else PlainGather(buckets, dp)
         n = len(self.buckets)
         self.order = tuple(reversed(range(n)))
@@ -141,13 +143,6 @@ class ParamSync:
         self._params = tuple(p for b in self.buckets for p in b.params)
         self._launched_versions: Optional[list[int]] = None
         """The params' version counters right after step() launched the gathers (see _check_untouched)."""
-
-    @property
-    def overlaps_forward(self) -> bool:
-        """Whether a gather can still be in flight when a forward runs: only then do
-        compiled forwards carry ``fxzero::wait_params``. Off when :meth:`start` finishes
-        every gather inside the step (overlap off, the default)."""
-        return self.overlap
 
     def start(self) -> None:
         """The step updated every shard: gather them (launch all, or launch all and wait)."""
