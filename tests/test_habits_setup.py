@@ -222,7 +222,7 @@ def test_tensor_hooks_see_the_real_gradient_under_the_fxzero_backend(inner: str)
         _train_step(cmodel, opt, 2)
 
 
-def _overlapped_norms(hooked: bool, compiled: bool) -> list[float]:
+def _overlapped_norms(hooked: bool, inner: str | None) -> list[float]:
     torch._dynamo.reset()
     model = _small()
     if hooked:
@@ -230,7 +230,7 @@ def _overlapped_norms(hooked: bool, compiled: bool) -> list[float]:
             param.register_hook(lambda grad: grad)
     config = fxzero.Config(bucket_size=2000, mxfp8_param_gather=True, overlap_param_gather=True)
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, config=config, module=model)
-    run = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"}) if compiled else model
+    run = torch.compile(model, backend="fxzero", options={"inner_compiler": inner}) if inner else model
     norms = []
     for step in range(4):
         norms.append(_train_step(run, opt, step).grad_norm)  # of gradients taken at the params read
@@ -238,11 +238,16 @@ def _overlapped_norms(hooked: bool, compiled: bool) -> list[float]:
     return norms
 
 
-def test_a_param_with_tensor_hooks_still_waits_for_its_gather() -> None:
+@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_a_param_with_tensor_hooks_still_waits_for_its_gather(inner: str) -> None:
     """A hooked param's gradient keeps autograd's path, but its forward read must still wait
     for its bucket's gather: it once got no wait, and with overlap on the compiled forward
-    read last step's values (MXFP8 at world size 1: the buckets wait to be landed)."""
-    assert _overlapped_norms(hooked=True, compiled=True) == _overlapped_norms(hooked=False, compiled=False)
+    read last step's values (MXFP8 at world size 1: the buckets wait to be landed; a stale
+    read moved the second step's norm by ~10%). Inductor's kernels round apart from eager."""
+    norms, expected = _overlapped_norms(hooked=True, inner=inner), _overlapped_norms(hooked=False, inner=None)
+    if inner == "eager":
+        assert norms == expected
+    torch.testing.assert_close(norms, expected, rtol=1e-5, atol=0)
 
 
 # ---- 11. optimizers whose step needs a closure ----------------------------------------------
