@@ -2,7 +2,7 @@
 
 Run it from the repository root (one process, world size 1, CPU, Inductor; ~2 minutes):
 
-    python benchmarks/graph_overhead.py [--blocks 8] [--steps 60] [--device cpu|cuda [--sync-phases]] [--breakdown] [--ops]
+    python benchmarks/graph_overhead.py [--blocks 8] [--steps 60] [--device cpu|cuda [--sync-phases]] [--breakdown] [--timers] [--ops]
 
 A toy of ``--blocks`` small residual blocks with a graph break after each: Dynamo compiles
 ``Block.forward`` once and calls that graph once per block, so any Python the backend adds
@@ -17,14 +17,16 @@ It prints median step times, their ratio, how many AOT compiles each made, the e
 microseconds per graph call, each phase's median (forward, backward, ``step()``,
 ``zero_grad()``) for both configs, and (``--breakdown``) where fxzero's per-graph time goes:
 a cProfile of the fxzero steps, inclusive time of each runtime entry point per graph call
-(the profiler slows Python down, so read the shares, not the absolute values), and
-(``--ops``) the ops and CUDA runtime calls one config makes more often than the other.
+(the profiler slows Python down, so read the shares, not the absolute values), (``--timers``)
+the wall-clock microseconds per step spent in each entry point, both configs stepping in turn
+again (``perf_counter`` around each call, ~0.2 µs of its own per call), and (``--ops``) the ops and CUDA runtime calls one config makes more often than the other.
 Target: fxzero <= 1.15x plain.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import pstats
 import statistics
@@ -34,11 +36,18 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
+import torch.optim.adam as torch_adam
 import torch.nn.functional as F
 from tabulate import tabulate
 
 import fxzero
 from fxzero.graph_compiler import GraphCompiler
+from fxzero.optim import grad_sync
+from fxzero.optim.binding import GraphBinding
+from fxzero.optim.grad_views import GradViews
+from fxzero.optim.ledger import Ledger
+from fxzero.optim.param_watch import ParamWatch
+from fxzero.optim.reduced_grads import ReducedGrads
 
 
 class Block(nn.Module):
@@ -151,6 +160,56 @@ def breakdown(step: Callable[[torch.Tensor], float], x: torch.Tensor, steps: int
     return rows
 
 
+TIMED = (
+    ("forward counting (the ledger's count)", GraphBinding, "forward_ran"),
+    ("fxzero::grads_ready's Python (lookup, add, report)", GraphBinding, "grads_ready"),
+    ("> adding into main_grad (_foreach_add_)", grad_sync, "foreach_add_"),
+    ("> the ledger", Ledger, "compiled_grads"),
+    ("> launching", grad_sync.GradSync, "_launch"),
+    ("end of backward (launch rest + .grad views)", grad_sync.GradSync, "_end_of_backward"),
+    ("> the .grad views", GradViews, "install"),
+    ("step()", fxzero.DistributedOptimizer, "step"),
+    ("> the update (torch.optim.adam.adam; plain: in its step)", torch_adam, "adam"),
+    ("> the global grad norm", ReducedGrads, "total_norm"),
+    ("> the checks of the params", ParamWatch, "check"),
+    ("> collecting the .grad views", GradViews, "collect"),
+    ("zeroing the grad buffer (in step() and zero_grad())", fxzero.DistributedOptimizer, "_zero_grads"),
+    ("zero_grad()", fxzero.DistributedOptimizer, "zero_grad"),
+)
+"""(label, owner, attribute): the calls ``--timers`` clocks; ``>`` marks a part of the row above."""
+
+
+def timers(blocks: int, steps: int, warmup: int, device: str) -> list[list[str]]:
+    """Microseconds per step inside each entry point of :data:`TIMED`, per config, from
+    fresh configs stepping in turn (what a call's own clock costs is ~0.2 µs)."""
+    totals: dict[tuple[str, str], float] = {}
+    current = ["plain"]
+
+    def timed(label: str, fn: Callable) -> Callable:
+        def run(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                key = (current[0], label)
+                totals[key] = totals.get(key, 0.0) + time.perf_counter() - start
+
+        return run
+
+    with contextlib.ExitStack() as stack:
+        for label, owner, name in TIMED:
+            stack.enter_context(mock.patch.object(owner, name, timed(label, getattr(owner, name))))
+        configs = _configs(blocks, {c: {p: [] for p in PHASES} for c in ("plain", "fxzero")}, device)
+        x = torch.randn(8, 16, 64, device=device)
+        for i in range(warmup + steps):
+            if i == warmup:
+                totals.clear()
+            for name, step in configs.items():
+                current[0] = name
+                step(x)
+    return [[label, *(f"{1e6 * totals.get((c, label), 0.0) / steps:.1f}" for c in ("plain", "fxzero"))] for label, *_ in TIMED]
+
+
 def op_counts(step: Callable[[torch.Tensor], float], x: torch.Tensor) -> dict[str, tuple[int, float]]:
     """Each op's (and, on a GPU, each CUDA runtime call's) calls and self CPU µs in one step,
     from ``torch.profiler``: what a config dispatches or launches that the other does not."""
@@ -177,6 +236,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--breakdown", action="store_true", help="profile the fxzero steps by runtime entry point")
+    parser.add_argument("--timers", action="store_true", help="wall-clock time per step inside each fxzero entry point")
     parser.add_argument("--sync-phases", action="store_true", help="on a GPU, synchronize at each phase's end (device time per phase)")
     parser.add_argument("--ops", action="store_true", help="profile one step of each config: the ops whose counts differ")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the model and batch live")
@@ -216,6 +276,10 @@ def main() -> None:
         rows = breakdown(configs["fxzero"], x, args.steps, graph_calls)
         print("\nwhere fxzero's per-graph time goes (cProfile, inclusive; the profiler inflates Python time):")
         print(tabulate(rows, headers=["entry point", "calls/step", "us per graph call"], tablefmt="github"))
+    if args.timers:
+        rows = timers(args.blocks, args.steps, args.warmup, args.device)
+        print("\nwall-clock us per step inside each entry point (perf_counter around each call; fresh configs, in turn):")
+        print(tabulate(rows, headers=["entry point", "plain", "fxzero"], tablefmt="github"))
     if args.ops:
         counts = {name: op_counts(step, x) for name, step in configs.items()}
         print("\nops and runtime calls whose counts differ in one step (torch.profiler; self CPU us of fxzero's):")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -41,6 +42,20 @@ def test_op_counts_profile_one_step_of_a_config() -> None:
 
     counts = _graph_overhead().op_counts(step, torch.ones(3))
     assert len(calls) == 1 and counts["aten::add"][0] == 1 and counts["aten::sum"][0] == 1
+
+
+def test_every_timed_entry_point_is_a_function_fxzero_calls_by_that_name() -> None:
+    """``--timers`` patches each entry by name: a renamed method must fail here, not time nothing.
+    Module attributes must be what the module's callers look up at call time (a global)."""
+    tool = _graph_overhead()
+    for label, owner, name in tool.TIMED:
+        assert callable(getattr(owner, name)), label
+    assert tool.grad_sync.foreach_add_ is torch._foreach_add_  # grad_sync calls it as a global
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.ones(2)
+    with mock.patch.object(tool.torch_adam, "adam", wraps=tool.torch_adam.adam) as update:
+        torch.optim.AdamW([param]).step()  # AdamW's step reaches the update through that global
+    assert update.call_count == 1
 
 
 def test_the_gpu_check_runs_what_the_readme_says() -> None:
