@@ -19,7 +19,8 @@ microseconds per graph call, each phase's median (forward, backward, ``step()``,
 a cProfile of the fxzero steps, inclusive time of each runtime entry point per graph call
 (the profiler slows Python down, so read the shares, not the absolute values), (``--timers``)
 the wall-clock microseconds per step spent in each entry point, both configs stepping in turn
-again (``perf_counter`` around each call, ~0.2 µs of its own per call), and (``--ops``) the ops and CUDA runtime calls one config makes more often than the other.
+again (``perf_counter`` around each call, ~0.2 µs of its own per call), and (``--ops``) the
+ops and CUDA runtime calls one config makes more often than the other.
 Target: fxzero <= 1.15x plain.
 """
 
@@ -36,8 +37,8 @@ from unittest import mock
 
 import torch
 import torch.nn as nn
-import torch.optim.adam as torch_adam
 import torch.nn.functional as F
+import torch.optim.adam as torch_adam
 from tabulate import tabulate
 
 import fxzero

@@ -42,21 +42,21 @@ from models import batch, build, loss_fn, param_groups, runs_from_initial_state
 LR, STEPS, GLOBAL = 1e-2, 6, 8
 
 
-def _train_both(name: str, *, mxfp8: bool, inner: str = "inductor") -> dict[str, dict]:
+def _train_both(name: str, *, inner: str = "inductor") -> dict[str, dict]:
     """Overlap on with deferred gathers, then off with real ones, through the same compiled
     graphs (:func:`models.runs_from_initial_state`): the runs execute the same generated code
     and differ only in when each gather's data lands."""
     model = build(name)
     cmodel = torch.compile(model, backend="fxzero", dynamic=False, options={"inner_compiler": inner})
-    on, off = runs_from_initial_state(model, (True, False), lambda overlap: _train(name, model, cmodel, mxfp8=mxfp8, overlap=overlap))
+    on, off = runs_from_initial_state(model, (True, False), lambda overlap: _train(name, model, cmodel, overlap=overlap))
     return {"on": on, "off": off}
 
 
-def _train(name: str, model: torch.nn.Module, cmodel: Callable, *, mxfp8: bool, overlap: bool) -> dict:
+def _train(name: str, model: torch.nn.Module, cmodel: Callable, *, overlap: bool) -> dict:
     """One run on this rank; ``overlap`` also defers each gather's data to its wait."""
     rank, world = dist.get_rank(), dist.get_world_size()
     bucket_size = {"expert_loop": 100}.get(name, 2000)  # small models: still >= 3 buckets
-    config = fxzero.Config(bucket_size=bucket_size, overlap_param_gather=overlap, mxfp8_param_gather=mxfp8)
+    config = fxzero.Config(bucket_size=bucket_size, overlap_param_gather=overlap)
     opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, config=config, module=model)
     gather = deferred_all_gather if overlap else DataParallelGroup.all_gather_async
     losses, codes, local = [], [], GLOBAL // world
@@ -91,19 +91,19 @@ def _run(fn: Callable[[], float], codes: list[str], capture: bool) -> float:
 
 # RMSNorm (its weight fused into the normalising kernel) with fp32 gathers, bitwise, and the structural
 # check on its code. LayerNorm, a tied head and MXFP8 gathers are read-order checked with the same deferred
-# gathers against eager within 1e-5 (a stale read of one bucket moved the loss by 0.003-0.019): the Hugging
+# gathers against eager within 1e-5 (one stale bucket per forward moved the loss by 0.003-0.108): the Hugging
 # Face GPT-2 and Llama (test_hf_models.py) and the MXFP8 gather's GPT (test_mxfp8_gather.py). Dropped as
 # repeats of those or of others (~100 s of the suite): lnnet, llama, gpt (fp32 and MXFP8), gpt_break (a
 # graph break and an eager head: the graph-breaking module below, and test_param_gather's deferred-gather
 # run of gpt_break at world 2) and conv (Inductor's channels-last copies: test_conv_read_order.py, and the
 # zoo's ResNet bitwise at world 2).
-_CASES = [("rmsnet", False)]
+_CASES = ["rmsnet"]  # fp32 gathers
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "mxfp8"), _CASES, ids=[f"{n}-{'mxfp8' if m else 'fp32'}-gather" for n, m in _CASES])
-def test_overlap_on_and_off_are_bitwise_identical_under_inductor(name: str, mxfp8: bool) -> None:
-    both = run_ranks(2, _train_both, name, mxfp8=mxfp8, timeout=300)
+@pytest.mark.parametrize("name", _CASES)
+def test_overlap_on_and_off_are_bitwise_identical_under_inductor(name: str) -> None:
+    both = run_ranks(2, _train_both, name, timeout=300)
     on, off = [r["on"] for r in both], [r["off"] for r in both]
     assert on[0]["buckets"] >= 3
     for a, b in zip(on, off):
@@ -127,7 +127,7 @@ def test_a_module_whose_forward_graph_breaks_reads_its_params_after_their_wait()
     The pre-hook's mark at the module's entry puts the wait in the graph that entered it.
     Eager inner compiler: the reads at stake run eagerly after that graph returns, so how
     Inductor orders its kernels plays no part (it took 10-11 s of cold compile)."""
-    both = run_ranks(2, _train_both, "expert_loop", mxfp8=False, inner="eager", timeout=300)
+    both = run_ranks(2, _train_both, "expert_loop", inner="eager", timeout=300)
     on, off = [r["on"] for r in both], [r["off"] for r in both]
     assert on[0]["buckets"] >= 3
     for a, b in zip(on, off):
