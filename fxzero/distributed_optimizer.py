@@ -56,6 +56,7 @@ from .optim.buffer_sync import BufferSync
 from .optim.buffers import build_buffers, owners_of
 from .optim.comm import DataParallelGroup, settle
 from .optim.ddp_guard import refuse_ddp
+from .optim.flat_update import FlatUpdate
 from .optim.grad_sync import GradReductions, GradSync
 from .optim.grad_views import GradViews, grad_scaler_state
 from .optim.initial_broadcast import broadcast_initial_state
@@ -187,6 +188,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         param (``where``) and the fp32 master view the wrapped optimizer steps (``param``)."""
         self.local = self._build_local_optimizer()
         self._local_step = compat.unhooked_step(self.local)  # step hooks run once per step, for this optimizer
+        self.update = FlatUpdate(self.local, self.fragments, [table.rows[f.slot].group for f in self.fragments], self._kwargs)
+        """Runs of adjacent fragments step as one tensor where that gives the same bits (:mod:`fxzero.optim.flat_update`)."""
         self._rank_state = RankState(table, self.fragments, self.local)
         mesh_norms = self.mesh_params.norms(len(self.params), self.params[0].device)
         self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp, mesh_norms)
@@ -274,9 +277,9 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self._sync_hyperparameters()
         if absent:
             with grads.hidden(absent):
-                self._local_step()
+                self.update.step_apart(self._local_step)
         else:  # the common case: nothing to hide, no context manager to enter
-            self._local_step()
+            self.update.step(self._local_step)
         self._rank_state.held = True
         self._publish_and_gather()
         return StepResult(skipped=False, grad_norm=norm, loss=loss)

@@ -4,12 +4,15 @@ On CPU a test double counts them: a torch function mode sees every read of a ten
 value into Python (``item``, ``tolist``, ``bool``/``float``/``int``, ``torch.equal``, ...).
 Tensors torch.optim keeps on the host by design (its ``step`` counters, CPU tensors even
 on a GPU) are not counted. ``tests/test_cuda.py`` checks the same with CUDA's own sync
-debug mode where a GPU is.
+debug mode where a GPU is. The flat update (:mod:`fxzero.optim.flat_update`) applies on the
+CPU only, so these runs take the path a GPU takes, fragment by fragment (:func:`_as_on_a_gpu`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -38,10 +41,21 @@ class ValueReads(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _as_on_a_gpu() -> Iterator[None]:
+    """The optimizer built inside steps fragment by fragment, as on a GPU (on the CPU its flat
+    update compares step counts once, when it homes the state, and its twin reads its own step
+    counters: host reads, never syncs)."""
+    with mock.patch("fxzero.optim.flat_update.flat_update_applies", return_value=False):
+        yield
+
+
 def _reads_per_step(config: fxzero.Config, compiled: bool) -> list[list[str]]:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build("gpt")
-    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, config=config, module=model)
+    with _as_on_a_gpu():
+        opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, config=config, module=model)
+    assert opt.update.twin is None
     run = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"}) if compiled else model
     steps = []
     for step in range(3):
@@ -72,7 +86,8 @@ def test_the_counter_sees_reads() -> None:
 def _reads_with_scaler() -> list[list[str]]:
     rank = dist.get_rank()
     model = build("gpt")
-    opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, module=model)
+    with _as_on_a_gpu():
+        opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, module=model)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     steps = []
     for step in range(2):

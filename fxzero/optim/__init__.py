@@ -1,5 +1,5 @@
 """What the sharded optimizer runs on: layout plans (elementwise and whole-param), flat buffers, the param table, shards,
-the process group, the readiness ledger, gradient reduce-scatters and param all-gathers
+the flat update, the process group, the readiness ledger, gradient reduce-scatters and param all-gathers
 (the gather protocol). :class:`fxzero.DistributedOptimizer` assembles them."""
 
 from .buffers import Bucket, ParamAndGradBuffer, shard_buffer

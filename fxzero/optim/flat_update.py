@@ -1,0 +1,329 @@
+"""The wrapped optimizer's update over runs of adjacent fragments: one tensor per run.
+
+``torch.optim`` pays per tensor: a Python iteration of its single-tensor loop (the CPU
+default) or a slot of a foreach list. The wrapped optimizer holds one tensor per
+fragment, so a model of many small params pays that per param, every step, although
+its fragments lie side by side in each bucket's fp32 main shard. For the classes whose
+update of each element reads only that element's gradient and state
+(:data:`~fxzero.optim.validation.ELEMENTWISE_OPTIMIZERS`, the same property that lets
+fxzero cut params into fragments at all), the update of a run of adjacent fragments
+as one flat tensor gives every element the bits it gets fragment by fragment. DeepSpeed's
+ZeRO optimizers step one flat fp32 partition the same way.
+
+So a second instance of the wrapped class, the **twin**, holds one flat view of the main
+shard per :class:`Run` (adjacent fragments of one param group, up to :data:`MAX_RUN_NUMEL`
+elements; padding ends a run), its ``.grad`` the matching view of the grad shard. Its state is **homed** in the wrapped
+optimizer's: each fragment's elementwise state (AdamW's moments) becomes a view of the
+run's flat state tensor, and each per-param scalar (the step count) a 0-dim view of one
+vector per run, refreshed from the twin's own scalar after each twin step. The wrapped
+optimizer therefore always holds the whole state, per fragment, as before: state dicts,
+checkpoints and ``opt.state`` read it unchanged, and a step that must hide some params
+(they got no gradient) runs it, fragment by fragment, on the same memory.
+
+The twin steps only while the homing provably holds, checked in C-level scans before
+each step: the same state mapping, the same dict per fragment, the same tensors in it
+(a ``load_state_dict``, or anything that replaced a state tensor, ends the homing; the
+next step re-homes). Homing needs every fragment of a run to hold the same keys, its
+scalars equal: after a step that hid some params of a run their step counts differ,
+and the wrapped optimizer keeps stepping fragment by fragment, exactly, until a load
+replaces the state. Fused kernels, differentiable steps and other devices than the CPU
+(where the bitwise equality is tested) keep the per-fragment update too.
+
+:func:`plan_runs` is pure (fragment places in, runs out), tested without tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import operator
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from .. import _torch_compat as compat
+from .shards import FragmentTensor
+from .state_dict import NOT_HYPERPARAMETERS, hyperparameters
+from .validation import ELEMENTWISE_OPTIMIZERS
+
+__all__ = ["MAX_RUN_NUMEL", "FlatUpdate", "Place", "Run", "flat_update_applies", "plan_runs"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """Fragments ``fragments`` (indices, in memory order) lying side by side, their params in
+    one storage from element ``start`` to ``stop`` and their grads likewise from ``grad_start``."""
+
+    fragments: tuple[int, ...]
+    group: int
+    start: int
+    stop: int
+    grad_start: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Place:
+    """Where one fragment lies: its param and grad storages (their addresses), param group,
+    offsets in each storage and length."""
+
+    storage: int
+    grad_storage: int
+    group: int
+    offset: int
+    grad_offset: int
+    numel: int
+
+
+MAX_RUN_NUMEL = 1 << 20
+"""Elements a run grows to at most (4 MiB of fp32): the update's temporaries are the size of
+the tensor it steps, so a run is kept within the largest param of a real model; a fragment
+longer than this is a run of its own, as before."""
+
+
+def plan_runs(places: Sequence[Place], max_numel: int = MAX_RUN_NUMEL) -> tuple[Run, ...]:
+    """Runs of fragments adjacent in both storages and of one group, each at most
+    ``max_numel`` long unless one fragment is: a gap (padding), another storage or group,
+    or the length ends a run."""
+    runs: list[Run] = []
+    keys: list[tuple[int, int, int]] = []
+    order = sorted(range(len(places)), key=lambda i: (places[i].storage, places[i].offset))
+    for i in order:
+        p = places[i]
+        key = (p.storage, p.grad_storage, p.group)
+        last = runs[-1] if runs else None
+        adjacent = last is not None and keys[-1] == key and last.stop == p.offset and last.grad_start + (last.stop - last.start) == p.grad_offset
+        if adjacent and last.stop + p.numel - last.start <= max_numel:  # type: ignore[union-attr]
+            runs[-1] = dataclasses.replace(last, fragments=last.fragments + (i,), stop=p.offset + p.numel)
+        else:
+            runs.append(Run((i,), p.group, p.offset, p.offset + p.numel, p.grad_offset))
+            keys.append(key)
+    return tuple(runs)
+
+
+def flat_update_applies(optimizer_class: type, fragments: Sequence[FragmentTensor]) -> bool:
+    """Whether runs can step as one tensor with the same bits: an elementwise class (exactly,
+    not a subclass: its step may differ) over 1-D fp32 fragments on the CPU."""
+    if optimizer_class not in ELEMENTWISE_OPTIMIZERS or not fragments:
+        return False
+    return all(f.param.device.type == "cpu" and f.param.dtype == torch.float32 and f.param.dim() == 1 for f in fragments)
+
+
+def _place(frag: FragmentTensor, group: int) -> Place:
+    param, grad = frag.param, frag.grad
+    return Place(_storage(param), _storage(grad), group, param.storage_offset(), grad.storage_offset(), param.numel())
+
+
+def _storage(tensor: torch.Tensor) -> int:
+    return tensor.untyped_storage().data_ptr()
+
+
+class FlatUpdate:
+    """Steps the wrapped optimizer ``local`` through its twin where that is exact."""
+
+    def __init__(self, local: torch.optim.Optimizer, fragments: Sequence[FragmentTensor], groups: Sequence[int], kwargs: dict[str, Any]) -> None:
+        """``groups[i]``: the param group of ``fragments[i]``; ``kwargs``: what ``local`` was built with."""
+        self.local, self.fragments = local, tuple(fragments)
+        self.twin: Optional[torch.optim.Optimizer] = None
+        """The wrapped class over one flat tensor per run; ``None`` where it does not apply."""
+        self.flat_steps = 0
+        """Updates made through the twin (the others went fragment by fragment)."""
+        self._homed = False
+        self._blocked: Any = None  # the state mapping homing failed on: not retried until replaced
+        if not flat_update_applies(type(local), self.fragments):
+            return
+        self.runs = plan_runs([_place(f, g) for f, g in zip(self.fragments, groups)])
+        twin_groups = [hyperparameters(g) | {"params": []} for g in local.param_groups]
+        self._flats = [self._flat(run) for run in self.runs]
+        for run, flat in zip(self.runs, self._flats):
+            twin_groups[run.group]["params"].append(flat)
+        used = [g for g, t in enumerate(twin_groups) if t["params"]]
+        self.twin = type(local)([twin_groups[g] for g in used], **kwargs)
+        self._twin_groups = [(local.param_groups[g], self.twin.param_groups[k]) for k, g in enumerate(used)]
+        self._twin_step = compat.unhooked_step(self.twin)
+
+    def _flat(self, run: Run) -> torch.Tensor:
+        first = self.fragments[run.fragments[0]]
+        flat = first.param.as_strided((run.stop - run.start,), (1,), run.start)
+        flat.grad = first.grad.as_strided((run.stop - run.start,), (1,), run.grad_start)
+        return flat
+
+    # ---- the step ---------------------------------------------------------------
+    def step(self, local_step: Callable[[], Any]) -> None:
+        """Update every fragment (each got a gradient): through the twin while homed, else
+        ``local_step()``, fragment by fragment."""
+        if self._ready() and self._sync_hyperparameters():
+            self._twin_step()
+            self._after_twin_step()
+            self.flat_steps += 1
+        else:
+            local_step()
+
+    def step_apart(self, local_step: Callable[[], Any]) -> None:
+        """A step that hides some fragments: only the wrapped optimizer can skip them, and
+        their step counts then fall behind their runs' (homing is tried again after)."""
+        self._homed = False
+        local_step()
+
+    def _ready(self) -> bool:
+        if self.twin is None:
+            return False
+        if self._homed and self._still_homed():
+            return True
+        self._homed = False
+        state = self.local.state
+        if state is self._blocked or not state:  # nothing to home before the first update
+            return False
+        self._homed = self._home()
+        if not self._homed:
+            self._blocked = state
+            log.info("the wrapped optimizer's state differs within a run of fragments: it steps fragment by fragment")
+        return self._homed
+
+    def _sync_hyperparameters(self) -> bool:
+        """The twin's groups take the wrapped optimizer's values; False (and no homing) if a
+        group asks for a fused or differentiable step, whose bits the flat update may change."""
+        for local, twin in self._twin_groups:
+            for name, value in local.items():
+                if name not in NOT_HYPERPARAMETERS:
+                    twin[name] = value
+            if twin.get("fused") or twin.get("differentiable"):
+                self._homed = False
+                return False
+        return True
+
+    # ---- homing -----------------------------------------------------------------
+    def _home(self) -> bool:
+        """Make each run's fragment states views of one tensor per key (see the module
+        docstring); False, changing nothing, when some run's states differ."""
+        state = self.local.state
+        plans = []
+        for run in self.runs:
+            plan = _home_plan([state.get(self.fragments[i].param) for i in run.fragments], [self.fragments[i].param.numel() for i in run.fragments])
+            if plan is None:
+                return False
+            plans.append(plan)
+        entries: list[tuple[dict, str, torch.Tensor]] = []
+        self._scalars: list[tuple[torch.Tensor, torch.Tensor]] = []
+        run_states = []
+        for run, flat, plan in zip(self.runs, self._flats, plans):
+            run_states.append([state[self.fragments[i].param] for i in run.fragments])
+            self.twin.state[flat] = _apply_plan(plan, run_states[-1], entries, self._scalars)
+        self._state, self._params = state, [f.param for f in self.fragments]
+        self._dicts = list(map(state.get, self._params))
+        self._lens = list(map(len, self._dicts))  # homed: every fragment holds state
+        self._entry_dicts = [e[0] for e in entries]
+        self._entry_keys = [e[1] for e in entries]
+        self._entry_values = [e[2] for e in entries]
+        self._twin_states = [self.twin.state[flat] for flat in self._flats]
+        self._key_counts = list(map(len, self._twin_states))
+        self._twin_entries = [(t, key, value, states) for t, states in zip(self._twin_states, run_states) for key, value in t.items()]
+        return True
+
+    def _still_homed(self) -> bool:
+        """The homing holds: the same state mapping, dict per fragment, keys and tensors
+        (C-level scans)."""
+        state = self.local.state
+        return (
+            state is self._state
+            and all(map(operator.is_, map(state.get, self._params), self._dicts))
+            and list(map(len, self._dicts)) == self._lens
+            and all(map(operator.is_, map(dict.get, self._entry_dicts, self._entry_keys), self._entry_values))
+        )
+
+    def _after_twin_step(self) -> None:
+        """The fragments' scalars take the twin's; a state value the class replaced rather
+        than updated in place is copied into the homed memory, so the fragments see it."""
+        for k, (state, key, homed, fragment_states) in enumerate(self._twin_entries):
+            value = state.get(key)
+            if value is homed:
+                continue
+            if isinstance(homed, torch.Tensor):
+                if not (isinstance(value, torch.Tensor) and value.shape == homed.shape):
+                    raise RuntimeError(f"fxzero: {type(self.twin).__name__} replaced its state {key!r} by a value of another kind")
+                homed.copy_(value)
+                state[key] = homed
+            else:  # not a tensor (None, a number): every fragment takes it, as is
+                for fragment_state in fragment_states:
+                    fragment_state[key] = value
+                self._twin_entries[k] = (state, key, value, fragment_states)
+                self._homed = False  # its kind may have changed: home again
+        for vector, scalar in self._scalars:
+            vector.copy_(scalar.expand_as(vector))
+        if list(map(len, self._twin_states)) != self._key_counts:
+            self._give_new_keys()
+
+    def _give_new_keys(self) -> None:
+        """The twin's step added state keys (a group switched ``amsgrad`` on): each fragment
+        takes its part of them, and the next step homes again."""
+        for run, flat in zip(self.runs, self._flats):
+            twin_state = self.twin.state[flat]
+            frags = [self.fragments[i] for i in run.fragments]
+            for key, value in twin_state.items():
+                if key in self.local.state[frags[0].param]:
+                    continue
+                if isinstance(value, torch.Tensor) and value.dim() == 1:
+                    parts = value.split([f.param.numel() for f in frags])
+                else:
+                    parts = [value.clone() if isinstance(value, torch.Tensor) else value for _ in frags]
+                for frag, part in zip(frags, parts):
+                    self.local.state[frag.param][key] = part
+        self._homed = False
+
+
+_ELEMENTWISE, _SCALAR, _VALUE = "elementwise", "scalar", "value"
+
+
+def _home_plan(states: Sequence[Optional[dict]], numels: Sequence[int]) -> Optional[dict[str, tuple[str, list[Any]]]]:
+    """How each key of one run's fragment states (of fragments of ``numels`` elements) is
+    homed; ``None`` when one holds none (the twin would create it where the wrapped
+    optimizer does not see it) or they differ in keys, kinds or scalar values."""
+    if any(not s for s in states) or len({frozenset(s) for s in states}) != 1:  # type: ignore[arg-type]
+        return None
+    plan: dict[str, tuple[str, list[Any]]] = {}
+    for key in states[0]:  # type: ignore[union-attr]
+        values = [s[key] for s in states]  # type: ignore[index]
+        kind = _kind(values, numels)
+        if kind is None:
+            return None
+        plan[key] = (kind, values)
+    return plan
+
+
+def _kind(values: Sequence[Any], numels: Sequence[int]) -> Optional[str]:
+    """``elementwise`` (1-D tensors of each fragment's length: its moments), ``scalar`` (equal 0-dim tensors:
+    a step count), ``value`` (equal non-tensors), or None."""
+    first = values[0]
+    if not isinstance(first, torch.Tensor):
+        same = all(not isinstance(v, torch.Tensor) and type(v) is type(first) and v == first for v in values)
+        return _VALUE if same else None
+    if not all(isinstance(v, torch.Tensor) and v.dtype == first.dtype and v.device == first.device for v in values):
+        return None
+    if all(v.dim() == 0 for v in values):
+        stacked = torch.stack(list(values))
+        return _SCALAR if bool(stacked.eq(stacked[0]).all()) else None
+    return _ELEMENTWISE if all(v.dim() == 1 and v.numel() == n for v, n in zip(values, numels)) else None
+
+
+def _apply_plan(plan: dict[str, tuple[str, list[Any]]], states: Sequence[dict], entries: list, scalars: list) -> dict[str, Any]:
+    """Home one run's fragment ``states`` as ``plan`` says; returns the twin's state of the run."""
+    twin: dict[str, Any] = {}
+    for key, (kind, values) in plan.items():
+        if kind == _VALUE:
+            twin[key] = values[0]
+            continue
+        if kind == _SCALAR:
+            vector = torch.stack(values)
+            twin[key] = values[0].clone()
+            scalars.append((vector, twin[key]))
+            views = list(vector.unbind())
+        else:
+            whole = torch.cat(values)
+            twin[key] = whole
+            views = list(whole.split([v.numel() for v in values]))
+        values.clear()  # the replaced tensors go as their fragments take the views: one key's worth at a time
+        for state, view in zip(states, views):
+            state[key] = view
+            entries.append((state, key, view))
+    return twin
