@@ -128,9 +128,14 @@ def test_loaded_state_is_homed_again_and_steps_on_exactly() -> None:
     buffer.seek(0)
     opt.load_state_dict(torch.load(buffer, weights_only=True))
     assert opt.update.flat_steps == 2
+    opt.param_groups[0]["lr"] = 3e-3  # the wrapped optimizer's load replaced its group dicts: it must still arrive
     _train(model, opt, range(3, 6))
     assert opt.update.flat_steps == 5  # homed again at once: the loaded state is the same in every run
-    _train(ref, ref_opt, range(6))
+    for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):  # views of one tensor per key (steps: one vector)
+        assert len({opt.state[p][key].untyped_storage().data_ptr() for p in model.parameters()}) == 1, key
+    _train(ref, ref_opt, range(3))
+    ref_opt.param_groups[0]["lr"] = 3e-3
+    _train(ref, ref_opt, range(3, 6))
     _same(model, opt, ref, ref_opt)
 
 
@@ -144,6 +149,28 @@ def test_a_state_tensor_replaced_by_hand_ends_the_homing_and_is_used() -> None:
     _train(model, opt, range(2, 4))
     _train(ref, ref_opt, range(2, 4))
     assert opt.update.flat_steps == 3  # steps 1, 2 (homing the replaced moments again first) and 3
+    _same(model, opt, ref, ref_opt)
+
+
+def test_an_lr_schedulers_values_reach_the_flat_update() -> None:
+    model, opt, ref, ref_opt = _pair(torch.optim.AdamW, {"lr": 1e-2})
+    for o, m in ((opt, model), (ref_opt, ref)):
+        scheduler = torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5)
+        for step in range(4):
+            _train(m, o, range(step, step + 1))
+            scheduler.step()
+    assert opt.update.flat_steps == 3
+    _same(model, opt, ref, ref_opt)
+
+
+def test_a_group_switched_to_fused_steps_fragment_by_fragment_from_then_on() -> None:
+    model, opt, ref, ref_opt = _pair(torch.optim.Adam, {"lr": 1e-2})
+    _train(model, opt, range(2))
+    _train(ref, ref_opt, range(2))
+    opt.param_groups[0]["fused"] = ref_opt.param_groups[0]["fused"] = True
+    _train(model, opt, range(2, 4))
+    _train(ref, ref_opt, range(2, 4))
+    assert opt.update.flat_steps == 1
     _same(model, opt, ref, ref_opt)
 
 

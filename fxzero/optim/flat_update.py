@@ -140,7 +140,9 @@ class FlatUpdate:
             twin_groups[run.group]["params"].append(flat)
         used = [g for g, t in enumerate(twin_groups) if t["params"]]
         self.twin = type(local)([twin_groups[g] for g in used], **kwargs)
-        self._twin_groups = [(local.param_groups[g], self.twin.param_groups[k]) for k, g in enumerate(used)]
+        self._twin_groups = [(g, self.twin.param_groups[k]) for k, g in enumerate(used)]
+        """(index of the wrapped optimizer's group, the twin's group): by index, since the wrapped
+        optimizer's ``load_state_dict`` replaces its group dicts."""
         self._twin_step = compat.unhooked_step(self.twin)
 
     def _flat(self, run: Run) -> torch.Tensor:
@@ -153,7 +155,8 @@ class FlatUpdate:
     def step(self, local_step: Callable[[], Any]) -> None:
         """Update every fragment (each got a gradient): through the twin while homed, else
         ``local_step()``, fragment by fragment."""
-        if self._ready() and self._sync_hyperparameters():
+        if self._ready():
+            self._sync_hyperparameters()
             self._twin_step()
             self._after_twin_step()
             self.flat_steps += 1
@@ -167,8 +170,8 @@ class FlatUpdate:
         local_step()
 
     def _ready(self) -> bool:
-        if self.twin is None:
-            return False
+        if self.twin is None or any(g.get("fused") or g.get("differentiable") for g in self.local.param_groups):
+            return False  # a fused or differentiable step's bits may change when flat (fused ones do)
         if self._homed and self._still_homed():
             return True
         self._homed = False
@@ -181,17 +184,13 @@ class FlatUpdate:
             log.info("the wrapped optimizer's state differs within a run of fragments: it steps fragment by fragment")
         return self._homed
 
-    def _sync_hyperparameters(self) -> bool:
-        """The twin's groups take the wrapped optimizer's values; False (and no homing) if a
-        group asks for a fused or differentiable step, whose bits the flat update may change."""
-        for local, twin in self._twin_groups:
-            for name, value in local.items():
+    def _sync_hyperparameters(self) -> None:
+        """The twin's groups take the wrapped optimizer's values (an LR scheduler's, too)."""
+        groups = self.local.param_groups
+        for index, twin in self._twin_groups:
+            for name, value in groups[index].items():
                 if name not in NOT_HYPERPARAMETERS:
                     twin[name] = value
-            if twin.get("fused") or twin.get("differentiable"):
-                self._homed = False
-                return False
-        return True
 
     # ---- homing -----------------------------------------------------------------
     def _home(self) -> bool:
