@@ -152,6 +152,18 @@ def test_a_state_tensor_replaced_by_hand_ends_the_homing_and_is_used() -> None:
     _same(model, opt, ref, ref_opt)
 
 
+def test_a_step_count_edited_in_place_is_used_as_torch_optim_would() -> None:
+    model, opt, ref, ref_opt = _pair(torch.optim.AdamW, {"lr": 1e-2})
+    _train(model, opt, range(3))
+    _train(ref, ref_opt, range(3))
+    opt.state[model.fc1.weight]["step"].fill_(10.0)
+    ref_opt.state[ref.fc1.weight]["step"].fill_(10.0)
+    _train(model, opt, range(3, 5))
+    _train(ref, ref_opt, range(3, 5))
+    assert opt.update.flat_steps == 2  # steps 1 and 2; then the run's step counts differ
+    _same(model, opt, ref, ref_opt)
+
+
 def test_an_lr_schedulers_values_reach_the_flat_update() -> None:
     model, opt, ref, ref_opt = _pair(torch.optim.AdamW, {"lr": 1e-2})
     for o, m in ((opt, model), (ref_opt, ref)):

@@ -222,13 +222,15 @@ class FlatUpdate:
 
     def _still_homed(self) -> bool:
         """The homing holds: the same state mapping, dict per fragment, keys and tensors
-        (C-level scans)."""
+        (C-level scans), and every fragment's scalars still the twin's (one written in place,
+        such as a step count edited by hand, ends the homing: its run then differs)."""
         state = self.local.state
         return (
             state is self._state
             and all(map(operator.is_, map(state.get, self._params), self._dicts))
             and list(map(len, self._dicts)) == self._lens
             and all(map(operator.is_, map(dict.get, self._entry_dicts, self._entry_keys), self._entry_values))
+            and all(bool(vector.eq(scalar).all()) for vector, scalar in self._scalars)
         )
 
     def _after_twin_step(self) -> None:
