@@ -14,7 +14,9 @@ the machine's drift hits both alike:
 * ``fxzero``: ``fxzero.DistributedOptimizer(AdamW)`` + ``torch.compile(backend="fxzero")``.
 
 It prints median step times, their ratio, how many AOT compiles each made, the extra
-microseconds per graph call, each phase's median (forward, backward, ``step()``,
+microseconds per graph call (from the forward and backward phases' medians: ``step()`` is
+compared apart, since fxzero's flat update makes it faster than plain AdamW's and would
+hide the graphs' cost in the whole step's), each phase's median (forward, backward, ``step()``,
 ``zero_grad()``) for both configs, and (``--breakdown``) where fxzero's per-graph time goes:
 a cProfile of the fxzero steps, inclusive time of each runtime entry point per graph call
 (the profiler slows Python down, so read the shares, not the absolute values), (``--timers``)
