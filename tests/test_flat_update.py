@@ -112,6 +112,17 @@ def test_every_elementwise_class_steps_flat_with_the_bits_of_plain_torch_optim(c
     _same(model, opt, ref, ref_opt)
 
 
+def test_state_tensors_are_replaced_once_at_the_second_update_then_updated_in_place() -> None:
+    model, opt, *_ = _pair(torch.optim.AdamW, {"lr": 1e-2})
+    held = []
+    for step in range(4):
+        _train(model, opt, range(step, step + 1))
+        held.append({k: v for k, v in opt.state[model.fc1.weight].items()})
+    assert all(held[0][k] is not held[1][k] for k in held[0])  # homed at the second update
+    assert all(held[1][k] is held[3][k] for k in held[1])  # the same tensors from then on
+    assert not torch.equal(held[1]["exp_avg"], held[0]["exp_avg"])  # the first step's tensors no longer move
+
+
 def test_a_step_that_skips_a_param_goes_fragment_by_fragment_from_then_on_exactly() -> None:
     model, opt, ref, ref_opt = _pair(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
     _train(model, opt, range(6), skip=frozenset({2}))
