@@ -7,8 +7,11 @@ every group's fragments form one run per bucket; each case compares with plain
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
+from typing import Iterator
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ import fxzero
 from fxzero.optim.flat_update import Place, Run, flat_update_applies, plan_runs
 from fxzero.optim.shards import FragmentTensor
 from fxzero.optim.validation import ELEMENTWISE_OPTIMIZERS
+
+from models import build, param_groups, runs_from_initial_state, train_steps
 
 STEPS = 5
 
@@ -221,3 +226,41 @@ def test_the_flat_update_applies_to_known_elementwise_classes_over_1d_fp32_cpu_f
     assert not flat_update_applies(torch.optim.AdamW, frags(torch.zeros(2, 2)))  # a whole-param plan's shaped tensors
     assert not flat_update_applies(torch.optim.Adafactor, frags(torch.zeros(4)))
     assert not flat_update_applies(torch.optim.AdamW, [])
+
+
+# ---- through the fxzero backend under Inductor --------------------------------------------
+_FLAT_STEPS = {"gpt": STEPS - 1, "expert_loop": 0}
+"""A tied head, and experts picked in Python (whose router gets no gradient through its argmax:
+every step hides it, so that model steps fragment by fragment). A conv net's flat update under
+Inductor is the zoo's ResNet (``test_zoo.py``: SGD with momentum, world 2, overlap on and off
+bitwise, against eager); a conv net here took 16 s of cold compile, the two models here 15 s."""
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    """As in the rank processes: with two threads, this machine's Inductor/BLAS kernels differed
+    in the last bit between two identical runs."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", list(_FLAT_STEPS))
+def test_under_inductor_the_flat_update_trains_bitwise_like_the_fragment_by_fragment_one(name: str, one_thread: None) -> None:
+    """One compiled model (Inductor), two runs from the same initial state through the same
+    generated code: AdamW in two param groups stepping flat, and fragment by fragment (as on a GPU)."""
+    torch.compiler.reset()
+    model = build(name)
+    cmodel = torch.compile(model, backend="fxzero", dynamic=False)
+
+    def train(flat: bool) -> tuple[list[float], list[torch.Tensor], int]:
+        with contextlib.nullcontext() if flat else mock.patch("fxzero.optim.flat_update.flat_update_applies", return_value=False):
+            opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, module=model)
+        losses = train_steps(name, cmodel, opt, range(STEPS), 8)
+        return losses, [p.detach().clone() for p in model.parameters()], opt.update.flat_steps
+
+    (flat_losses, flat_params, flat_steps), (losses, params, none) = runs_from_initial_state(model, (True, False), train)
+    assert (flat_steps, none) == (_FLAT_STEPS[name], 0)
+    assert flat_losses == losses
+    assert all(torch.equal(p, q) for p, q in zip(flat_params, params))
