@@ -131,6 +131,7 @@ class FlatUpdate:
         """Updates made through the twin (the others went fragment by fragment)."""
         self._homed = False
         self._blocked: Any = None  # the state mapping homing failed on: not retried until replaced
+        self._params = [f.param for f in self.fragments]
         if not flat_update_applies(type(local), self.fragments):
             return
         self.runs = plan_runs([_place(f, g) for f, g in zip(self.fragments, groups)])
@@ -205,11 +206,10 @@ class FlatUpdate:
             plans.append(plan)
         entries: list[tuple[dict, str, torch.Tensor]] = []
         self._scalars: list[tuple[torch.Tensor, torch.Tensor]] = []
-        run_states = []
         for run, flat, plan in zip(self.runs, self._flats, plans):
-            run_states.append([state[self.fragments[i].param] for i in run.fragments])
-            self.twin.state[flat] = _apply_plan(plan, run_states[-1], entries, self._scalars)
-        self._state, self._params = state, [f.param for f in self.fragments]
+            states = [state[self.fragments[i].param] for i in run.fragments]
+            self.twin.state[flat] = _apply_plan(plan, states, entries, self._scalars)
+        self._state = state
         self._dicts = list(map(state.get, self._params))
         self._lens = list(map(len, self._dicts))  # homed: every fragment holds state
         self._entry_dicts = [e[0] for e in entries]
@@ -217,7 +217,7 @@ class FlatUpdate:
         self._entry_values = [e[2] for e in entries]
         self._twin_states = [self.twin.state[flat] for flat in self._flats]
         self._key_counts = list(map(len, self._twin_states))
-        self._twin_entries = [(t, key, value, states) for t, states in zip(self._twin_states, run_states) for key, value in t.items()]
+        self._twin_entries = [(t, key, value) for t in self._twin_states for key, value in t.items()]
         return True
 
     def _still_homed(self) -> bool:
@@ -234,55 +234,28 @@ class FlatUpdate:
         )
 
     def _after_twin_step(self) -> None:
-        """The fragments' scalars take the twin's; a state value the class replaced rather
+        """The fragments' scalars take the twin's; a state tensor the class replaced rather
         than updated in place is copied into the homed memory, so the fragments see it."""
-        for k, (state, key, homed, fragment_states) in enumerate(self._twin_entries):
-            value = state.get(key)
-            if value is homed:
-                continue
-            if isinstance(homed, torch.Tensor):
+        for state, key, homed in self._twin_entries:
+            value = state[key]
+            if value is not homed:
                 if not (isinstance(value, torch.Tensor) and value.shape == homed.shape):
                     raise RuntimeError(f"fxzero: {type(self.twin).__name__} replaced its state {key!r} by a value of another kind")
                 homed.copy_(value)
                 state[key] = homed
-            else:  # not a tensor (None, a number): every fragment takes it, as is
-                for fragment_state in fragment_states:
-                    fragment_state[key] = value
-                self._twin_entries[k] = (state, key, value, fragment_states)
-                self._homed = False  # its kind may have changed: home again
         for vector, scalar in self._scalars:
             vector.copy_(scalar.expand_as(vector))
-        if list(map(len, self._twin_states)) != self._key_counts:
-            self._give_new_keys()
-
-    def _give_new_keys(self) -> None:
-        """The twin's step added state keys (a group switched ``amsgrad`` on): each fragment
-        takes its part of them, and the next step homes again."""
-        for run, flat in zip(self.runs, self._flats):
-            twin_state = self.twin.state[flat]
-            frags = [self.fragments[i] for i in run.fragments]
-            for key, value in twin_state.items():
-                if key in self.local.state[frags[0].param]:
-                    continue
-                if isinstance(value, torch.Tensor) and value.dim() == 1:
-                    parts = value.split([f.param.numel() for f in frags])
-                else:
-                    parts = [value.clone() if isinstance(value, torch.Tensor) else value for _ in frags]
-                for frag, part in zip(frags, parts):
-                    self.local.state[frag.param][key] = part
-        self._homed = False
+        if list(map(len, self._twin_states)) != self._key_counts:  # no elementwise class adds state after its first step
+            raise RuntimeError(f"fxzero: {type(self.twin).__name__} added state keys after its first step; the flat update cannot give them to the fragments")
 
 
-_ELEMENTWISE, _SCALAR, _VALUE = "elementwise", "scalar", "value"
-
-
-def _home_plan(states: Sequence[Optional[dict]], numels: Sequence[int]) -> Optional[dict[str, tuple[str, list[Any]]]]:
+def _home_plan(states: Sequence[Optional[dict]], numels: Sequence[int]) -> Optional[dict[str, tuple[str, list[torch.Tensor]]]]:
     """How each key of one run's fragment states (of fragments of ``numels`` elements) is
-    homed; ``None`` when one holds none (the twin would create it where the wrapped
-    optimizer does not see it) or they differ in keys, kinds or scalar values."""
+    homed, as ``(kind, values)``; ``None`` when one holds none (the twin would create it where
+    the wrapped optimizer does not see it) or they differ in keys, kinds or scalar values."""
     if any(not s for s in states) or len({frozenset(s) for s in states}) != 1:  # type: ignore[arg-type]
         return None
-    plan: dict[str, tuple[str, list[Any]]] = {}
+    plan: dict[str, tuple[str, list[torch.Tensor]]] = {}
     for key in states[0]:  # type: ignore[union-attr]
         values = [s[key] for s in states]  # type: ignore[index]
         kind = _kind(values, numels)
@@ -293,28 +266,21 @@ def _home_plan(states: Sequence[Optional[dict]], numels: Sequence[int]) -> Optio
 
 
 def _kind(values: Sequence[Any], numels: Sequence[int]) -> Optional[str]:
-    """``elementwise`` (1-D tensors of each fragment's length: its moments), ``scalar`` (equal 0-dim tensors:
-    a step count), ``value`` (equal non-tensors), or None."""
+    """``"elementwise"`` (1-D tensors of each fragment's length: its moments), ``"scalar"``
+    (equal 0-dim tensors: a step count), or None (anything else: stepped fragment by fragment)."""
     first = values[0]
-    if not isinstance(first, torch.Tensor):
-        same = all(not isinstance(v, torch.Tensor) and type(v) is type(first) and v == first for v in values)
-        return _VALUE if same else None
     if not all(isinstance(v, torch.Tensor) and v.dtype == first.dtype and v.device == first.device for v in values):
         return None
     if all(v.dim() == 0 for v in values):
-        stacked = torch.stack(list(values))
-        return _SCALAR if bool(stacked.eq(stacked[0]).all()) else None
-    return _ELEMENTWISE if all(v.dim() == 1 and v.numel() == n for v, n in zip(values, numels)) else None
+        return "scalar" if all(torch.equal(v, first) for v in values) else None
+    return "elementwise" if all(v.dim() == 1 and v.numel() == n for v, n in zip(values, numels)) else None
 
 
-def _apply_plan(plan: dict[str, tuple[str, list[Any]]], states: Sequence[dict], entries: list, scalars: list) -> dict[str, Any]:
+def _apply_plan(plan: dict[str, tuple[str, list[torch.Tensor]]], states: Sequence[dict], entries: list, scalars: list) -> dict[str, Any]:
     """Home one run's fragment ``states`` as ``plan`` says; returns the twin's state of the run."""
     twin: dict[str, Any] = {}
     for key, (kind, values) in plan.items():
-        if kind == _VALUE:
-            twin[key] = values[0]
-            continue
-        if kind == _SCALAR:
+        if kind == "scalar":
             vector = torch.stack(values)
             twin[key] = values[0].clone()
             scalars.append((vector, twin[key]))
