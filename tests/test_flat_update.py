@@ -246,6 +246,7 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+@pytest.mark.slow  # 31 s of cold Inductor in the development tier, whose first compile pays Inductor's warm-up
 @pytest.mark.parametrize("name", list(_FLAT_STEPS))
 def test_under_inductor_the_flat_update_trains_bitwise_like_the_fragment_by_fragment_one(name: str, one_thread: None) -> None:
     """One compiled model (Inductor), two runs from the same initial state through the same
