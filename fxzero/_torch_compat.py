@@ -249,10 +249,18 @@ def dynamo_runs_eagerly_at_top_level(fn: Callable[..., Any]) -> None:
     the module it runs for). ``torch._dynamo.eval_frame.skip_code`` (what
     ``torch._dynamo.skip`` applies, without the ``_torchdynamo_disable`` mark that would make
     Dynamo break the graph at every call). If it goes: do nothing (such a frame compiles into
-    a graph of its own, once per guard set, and runs as that graph: slower, the same effect)."""
-    from torch._dynamo.eval_frame import skip_code
+    a graph of its own, once per guard set, and runs as that graph: slower, the same effect).
+    Called through its C half (``torch._C._dynamo.eval_frame``), which ``skip_code`` calls:
+    importing ``torch._dynamo`` for it cost every ``import fxzero`` ~1.4 s on this machine,
+    also in processes that never compile (the eager ranks of a torchrun job)."""
+    try:
+        from torch._C._dynamo.eval_frame import _FrameAction, _FrameExecStrategy, set_code_exec_strategy
+    except ImportError:
+        from torch._dynamo.eval_frame import skip_code
 
-    skip_code(fn.__code__)
+        skip_code(fn.__code__)
+        return
+    set_code_exec_strategy(fn.__code__, _FrameExecStrategy(_FrameAction.SKIP, _FrameAction.DEFAULT))
 
 
 def undisabled(fn: Callable[..., Any]) -> Callable[..., Any]:

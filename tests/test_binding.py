@@ -140,13 +140,13 @@ def test_a_graph_compiled_without_waits_lands_the_gathers_of_a_successor_that_ov
     assert runs[True] == runs[False]
 
 
-def _losses_with_warm_up(warm_up: bool, inner: str = "eager") -> list[float]:
+def _losses_with_warm_up(warm_up: bool) -> list[float]:
     """4 steps of an MLP under MXFP8 gathers with overlap (world size 1: each step leaves
     its buckets to be landed by the next forward), compiled before or after its optimizer."""
     torch.compiler.reset()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
-    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": inner})
+    cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     if warm_up:  # a forward and backward before any optimizer exists: plain torch.compile's graphs
         with pytest.warns(UserWarning, match="not managed by any fxzero.DistributedOptimizer"):
             cmodel(torch.randn(4, 8)).sum().backward()
@@ -163,18 +163,17 @@ def _losses_with_warm_up(warm_up: bool, inner: str = "eager") -> list[float]:
     return losses
 
 
-@pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
-def test_a_graph_compiled_before_its_optimizer_existed_lands_the_gathers_and_says_so(inner: str) -> None:
+def test_a_graph_compiled_before_its_optimizer_existed_lands_the_gathers_and_says_so() -> None:
     """Its params were nobody's when it compiled: no wait, no hand-off. Run after an optimizer
     with overlap took them, it lands every bucket first (it read last step's values before,
-    ~15% off by the second step), and warns once with the fix. Under Inductor the two runs
-    compile different graphs (with and without fxzero's ops), so they may round apart."""
-    expected = _losses_with_warm_up(False, inner)
+    ~15% off by the second step), and warns once with the fix. The eager inner compiler only:
+    the landing runs in the graph's Python wrapper before the compiled code is called
+    (``optim/binding.py``), so no inner compiler can move a read ahead of it (an Inductor case
+    here cost 11-15 s of a cold suite for the same check)."""
+    expected = _losses_with_warm_up(False)
     with pytest.warns(UserWarning, match=r"read params of a DistributedOptimizer before the optimizer existed.*torch\.compiler\.reset\(\)"):
-        losses = _losses_with_warm_up(True, inner)
-    if inner == "eager":
-        assert losses == expected
-    torch.testing.assert_close(losses, expected, rtol=1e-5, atol=0)
+        losses = _losses_with_warm_up(True)
+    assert losses == expected
 
 
 def test_one_launch_whose_params_span_buckets_reaches_each_bucket() -> None:
