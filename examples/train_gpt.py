@@ -38,8 +38,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from tabulate import tabulate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import fxzero
 
@@ -128,7 +126,10 @@ def parallelize(model: Transformer, tp_mesh: DeviceMesh) -> None:
     """Megatron-style TP over ``tp_mesh``: in each block, wqkv and w1 ColwiseParallel (each
     rank computes its heads / its slice of the hidden units), wo and w2 RowwiseParallel (one
     all-reduce after each). The embeddings, the tied head and the LayerNorms stay plain
-    params, replicated on every TP rank (fxzero counts them once in the global norm)."""
+    params, replicated on every TP rank (fxzero counts them once in the global norm). Imported
+    here: torch's tensor parallelism costs a process ~1 s to import, and only --tp > 1 uses it."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
     for layer in model.layers:
         shard_qkv_rows(layer.attention.wqkv, tp_mesh.size())
         parallelize_module(layer, tp_mesh, {
@@ -140,8 +141,8 @@ def parallelize(model: Transformer, tp_mesh: DeviceMesh) -> None:
 
 
 def local_numel(p: torch.Tensor) -> int:
-    """Elements this rank holds of ``p`` (its local shard for a DTensor)."""
-    return p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+    """Elements this rank holds of ``p`` (its local shard for a DTensor: one has ``to_local``)."""
+    return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
 def load_bytes(path, limit=2_000_000):

@@ -4,9 +4,10 @@ as a torch.compile backend.
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=3e-4)
 """
 
+from typing import Any
+
 from . import mxfp8, ops  # noqa: F401  ops: defines the fxzero:: custom ops that compiled graphs call
 from ._torch_compat import register_torch_log
-from .checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import Config, default_bucket_size
 from .explainer import explain
 from .parity import ParityReport, parity
@@ -35,6 +36,23 @@ def _register_torch_logs() -> None:
 
 
 _register_torch_logs()
+
+_CHECKPOINT = frozenset({"CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"})
+
+
+def __getattr__(name: str) -> Any:
+    """The checkpoint API, imported on first use: it stands on ``torch.distributed.checkpoint``
+    (and through it ``torch.distributed.tensor``), whose import cost every ``import fxzero``
+    ~0.7 s on this machine, also in the processes that never save."""
+    if name in _CHECKPOINT:
+        from . import checkpoint
+
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'fxzero' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _CHECKPOINT)
 
 __all__ = [
     "Bucket",

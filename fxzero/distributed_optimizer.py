@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch_compat as compat
+from . import ops
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.binding import GraphBinding, InputBinding, OwnerRef
@@ -135,6 +136,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         params = check_managed_params(self.param_groups)
         self.mesh_params = check_mesh_params(params, [label for label, _ in probed], self.dp, whole_params=self.whole_params)
         """The DTensor params (tensor parallelism) and the mesh dims other than DP they are placed over."""
+        if self.mesh_params.dtensor_slots:
+            ops.accept_dtensor_params()
         self.optimizer_class = optimizer_class
         layout = layout_order(params, module, len(self.param_groups))
         check_ranks_agree(self.dp, describe_layout(layout, self.param_groups, names, self._settings()), params[0].device)

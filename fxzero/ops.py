@@ -40,13 +40,14 @@ Importing this module defines the ops (``fxzero/__init__.py`` does it).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ._torch_compat import dtensor_local, register_ordered_effect
 from .optim.binding import binding_of, owner_of
+from .optim.mesh import is_dtensor
 
 __all__ = ["grads_ready", "module_entered", "wait_params"]
 
@@ -102,11 +103,16 @@ def _on_local_tensors(cls: Any, func: Any, types: Any, args: Any = (), kwargs: A
 
 
 def _local(value: Any) -> Any:
-    return dtensor_local(value) if isinstance(value, DTensor) else value
+    return dtensor_local(value) if is_dtensor(value) else value
 
 
-if dist.is_available():
+@functools.cache
+def accept_dtensor_params() -> None:
+    """Let the ops take DTensor params (as their local tensors). Called once an optimizer with
+    DTensor params is built (:class:`fxzero.DistributedOptimizer`), not at import: the rules
+    need ``torch.distributed.tensor``, whose import cost every process ~0.6 s on this machine,
+    and only an optimizer's hooks and the passes for its params put params in the ops' reach."""
     from torch.distributed.tensor import DTensor
 
-    for _name in ("wait_params", "grads_ready", "module_entered"):
-        torch.library.register_torch_dispatch(f"fxzero::{_name}", DTensor, _on_local_tensors, lib=_lib)
+    for name in ("wait_params", "grads_ready", "module_entered"):
+        torch.library.register_torch_dispatch(f"fxzero::{name}", DTensor, _on_local_tensors, lib=_lib)

@@ -229,11 +229,13 @@ def test_the_flat_update_applies_to_known_elementwise_classes_over_1d_fp32_cpu_f
 
 
 # ---- through the fxzero backend under Inductor --------------------------------------------
-_FLAT_STEPS = {"gpt": STEPS - 1, "expert_loop": 0}
-"""A tied head, and experts picked in Python (whose router gets no gradient through its argmax:
-every step hides it, so that model steps fragment by fragment). A conv net's flat update under
-Inductor is the zoo's ResNet (``test_zoo.py``: SGD with momentum, world 2, overlap on and off
-bitwise, against eager); a conv net here took 16 s of cold compile, the two models here 15 s."""
+_FLAT_STEPS = {"gpt": STEPS - 1}
+"""A tied head. A step that hides params (experts picked in Python, whose router gets no
+gradient through its argmax) steps fragment by fragment whatever the inner compiler, as
+``test_a_step_that_skips_a_param_goes_fragment_by_fragment_from_then_on_exactly`` checks (an
+Inductor case of it cost 6 s of a cold suite). A conv net's flat
+update under Inductor is the zoo's ResNet (``test_zoo.py``: SGD with momentum, world 2, overlap
+on and off bitwise, against eager); a conv net here took 16 s of cold compile."""
 
 
 @pytest.fixture

@@ -103,8 +103,8 @@ def test_cycle_finder_sees_a_cycle() -> None:
 LAYERS = (
     ("_torch_compat", "config"),
     ("optim",),  # the runtime's parts; defines the gather protocol
-    ("mxfp8",),  # implements it
-    ("distributed_optimizer", "ops"),  # assembles the parts (chooses the gather); the ops compiled graphs call
+    ("mxfp8", "ops"),  # implements it; the ops compiled graphs call
+    ("distributed_optimizer",),  # assembles the parts (chooses the gather, lets the ops take DTensor params)
     ("passes",),
     ("dump",),
     ("graph_compiler",),

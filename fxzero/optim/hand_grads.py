@@ -33,7 +33,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from .mesh import is_dtensor
 
 __all__ = ["HandGrad", "check_hand_grad"]
 
@@ -54,7 +55,7 @@ def check_hand_grad(param: torch.Tensor, grad: Any, label: str, view_type: type)
             f"fxzero: p.grad of param {label!r} was set to another param's sharded-gradient view ({grad!r}); "
             "assign a tensor holding the gradient you want (each rank's is used as is), or leave p.grad alone"
         )
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         raise NotImplementedError(
             f"fxzero: p.grad of param {label!r} (a DTensor) was assigned by hand; gradients assigned by hand to DTensor "
             "params are not supported yet (only those backward produces). Leave p.grad alone, or set it to None."

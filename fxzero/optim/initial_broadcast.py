@@ -14,10 +14,10 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
-from torch.distributed.tensor import DTensor, Shard
 
 from .buffer_sync import broadcast_flat
 from .comm import DataParallelGroup
+from .mesh import is_dtensor
 
 __all__ = ["broadcast_initial_state"]
 
@@ -44,4 +44,8 @@ def _sharded(tensor: torch.Tensor) -> bool:
     the group may span that dim (another optimizer's expert params, Shard(0) over the
     expert-parallel dim, are unmanaged here and must not become rank 0's experts). Its own
     optimizer syncs it over its own group."""
-    return isinstance(tensor, DTensor) and any(isinstance(p, Shard) for p in tensor.placements)
+    if not is_dtensor(tensor):
+        return False
+    from torch.distributed.tensor import Shard  # loaded: tensor is a DTensor
+
+    return any(isinstance(p, Shard) for p in tensor.placements)  # type: ignore[attr-defined]

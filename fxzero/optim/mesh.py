@@ -38,27 +38,39 @@ What that needs, and what this module gives:
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional, Sequence
+import sys
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Shard
 
 from .._torch_compat import dtensor_local, set_dtensor_local
 from .comm import DataParallelGroup
 
-__all__ = ["MeshNorms", "MeshParams", "check_mesh_params", "local_of", "planned", "rebind"]
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+__all__ = ["MeshNorms", "MeshParams", "check_mesh_params", "is_dtensor", "local_of", "planned", "rebind"]
+
+
+def is_dtensor(tensor: object) -> bool:
+    """Whether ``tensor`` is a DTensor, without importing ``torch.distributed.tensor``: no DTensor
+    exists before that module is loaded, and loading it cost every ``import fxzero`` ~0.6 s on
+    this machine, also in the processes of jobs without tensor parallelism."""
+    module = sys.modules.get("torch.distributed.tensor")
+    cls = getattr(module, "DTensor", None)
+    return cls is not None and isinstance(tensor, cls)
 
 
 def local_of(param: torch.Tensor) -> torch.Tensor:
     """What fxzero's buffers hold of ``param``: its local tensor if it is a DTensor, else itself."""
-    return dtensor_local(param) if isinstance(param, DTensor) else param
+    return dtensor_local(param) if is_dtensor(param) else param
 
 
 def planned(param: torch.Tensor) -> torch.Tensor:
     """What the bucket planner sees of ``param``: itself, or for a DTensor a meta tensor of its
     local shape and dtype (carrying ``shared_embedding``), since the buffers hold local tensors."""
-    if not isinstance(param, DTensor):
+    if not is_dtensor(param):
         return param
     local = dtensor_local(param)
     stand_in = torch.empty(local.shape, dtype=local.dtype, device="meta")
@@ -69,7 +81,7 @@ def planned(param: torch.Tensor) -> torch.Tensor:
 
 def rebind(param: torch.Tensor, view: torch.Tensor) -> None:
     """Make ``param`` (its local tensor, for a DTensor) the buffer ``view``, same Parameter object."""
-    if isinstance(param, DTensor):
+    if is_dtensor(param):
         set_dtensor_local(param, _alias(view))
     else:
         param.data = view
@@ -130,7 +142,7 @@ class MeshParams:
     def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
         """The local tensor of a DTensor param's gradient, in the param's own placement
         (a ``Partial`` gradient is reduced over its dimension first)."""
-        if not isinstance(grad, DTensor):
+        if not is_dtensor(grad):
             return grad
         if grad.placements != param.placements:  # type: ignore[attr-defined]
             with torch.no_grad():
@@ -165,9 +177,10 @@ def check_mesh_params(
 ) -> MeshParams:
     """Check every DTensor param's placements (errors name the param and placement) and find
     the mesh dimensions other than ``dp`` the params are placed over. ``params`` in slot order."""
-    dtensors = [(slot, p) for slot, p in enumerate(params) if isinstance(p, DTensor)]
+    dtensors = [(slot, p) for slot, p in enumerate(params) if is_dtensor(p)]
     if not dtensors:
         return MeshParams(frozenset(), (), ())
+    from torch.distributed.tensor import Shard  # loaded: the params are DTensors
     if dp.replica_count > 1:
         raise NotImplementedError(
             f"fxzero: param {labels[dtensors[0][0]]} is a DTensor, and hierarchical sharding (a ('replicate', 'shard') "
@@ -191,6 +204,8 @@ def _param_dims(
     param: DTensor, label: str, dp: DataParallelGroup, dp_ranks: tuple[int, ...], whole_params: bool
 ) -> list[tuple[ModelDim, object]]:
     """``param``'s mesh dimensions other than DP, each with the param's placement over it."""
+    from torch.distributed.tensor import Partial, Shard  # loaded: param is a DTensor
+
     mesh, found = param.device_mesh, []
     names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
     for d, placement in enumerate(param.placements):

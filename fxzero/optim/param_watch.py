@@ -31,10 +31,9 @@ import operator
 from typing import Sequence
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_local
-from .mesh import local_of, rebind
+from .mesh import is_dtensor, local_of, rebind
 from .param_sync import Gather
 from .param_table import ParamTable
 from .shards import BucketShard
@@ -52,11 +51,11 @@ class ParamWatch:
     ) -> None:
         self.table, self.params, self.gather, self.rank = table, table.params, gather, rank
         # a DTensor param has no storage of its own: its local tensor is the buffer's view
-        self._dtensors = tuple(i for i, p in enumerate(self.params) if isinstance(p, DTensor))
+        self._dtensors = tuple(i for i, p in enumerate(self.params) if is_dtensor(p))
         self._dtensor_params = tuple(self.params[i] for i in self._dtensors)
         self._local_pointers = [local_of(self.params[i]).data_ptr() for i in self._dtensors]
         self._pointers = [p.data_ptr() for p in self.params]
-        self._views = [local_of(p) if isinstance(p, DTensor) else p.data for p in self.params]
+        self._views = [local_of(p) if is_dtensor(p) else p.data for p in self.params]
         """Each param's view of the flat buffer, to point a param back at after a no-op move."""
         self._compiled = compiled
         self._separate = [s for s in shards if not s.main_is_param]
