@@ -45,9 +45,8 @@ from typing import Any
 
 import torch
 
-from ._torch_compat import dtensor_local, register_ordered_effect
+from ._torch_compat import dtensor_local, is_dtensor, register_ordered_effect
 from .optim.binding import binding_of, owner_of
-from .optim.mesh import is_dtensor
 
 __all__ = ["grads_ready", "module_entered", "wait_params"]
 

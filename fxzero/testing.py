@@ -167,6 +167,12 @@ class RankPool:
             if rank not in values and rank not in errors and not proc.is_alive():
                 errors[rank] = f"rank {rank} process died (exit code {proc.exitcode}) without a Python exception"
 
+    def __enter__(self) -> "RankPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Stop the ranks (politely if idle, by force after a short grace)."""
         self._ask_to_stop()

@@ -310,14 +310,11 @@ def test_a_rank_killed_during_a_two_rank_save_leaves_the_previous_checkpoint(tmp
     of committing a half-written checkpoint, and removes the partial directory; the previous
     one loads, here on one rank. On a pool of its own: a dead rank closes its pool, and the
     suite's shared one would then start over (seconds of imports and warm-up)."""
-    pool = RankPool(2)
-    try:
+    with RankPool(2) as pool:
         start = time.monotonic()
         with pytest.raises(RankError, match=r"rank 1 process died \(exit code -9\)") as info:
             pool.run(_second_save_loses_a_rank, str(tmp_path), timeout=120)
         assert time.monotonic() - start < 60
-    finally:
-        pool.close()
     assert re.search(r"CheckpointError: saving checkpoint .*step_0000003 failed \(nothing committed; step_0000003\.tmp-\w+ "
                      r"removed\): writing the data: rank 0 of 2 lost its peers \(a rank probably died\)", str(info.value))
     assert not (tmp_path / "step_0000003").exists()
@@ -383,14 +380,11 @@ def _peer_fails_before_backward(how: str) -> None:
 
 @pytest.mark.parametrize("how", ["killed", pytest.param("silent", marks=pytest.mark.slow)])  # silent: waits out a timeout
 def test_a_dead_or_silent_peer_makes_the_others_fail_naming_the_bucket(how: str) -> None:
-    pool = RankPool(2, pg_timeout=PG_TIMEOUT)
-    try:
+    with RankPool(2, pg_timeout=PG_TIMEOUT) as pool:
         start = time.monotonic()
         with pytest.raises(RankError) as info:
             pool.run(_peer_fails_before_backward, how, timeout=60)
         elapsed = time.monotonic() - start
-    finally:
-        pool.close()
     message = str(info.value)
     raised_after = float(re.search(r"\[raised after ([\d.]+) s\]", message).group(1))
     print(f"{how}: rank 0 raised after {raised_after:.2f} s; the pool reported after {elapsed:.1f} s")

@@ -128,11 +128,8 @@ def _save_on_rank_zero_only(ckpt_dir: str) -> dict[str, Any]:
 @pytest.mark.slow  # its own pool, and waits out the arrival timeout
 def test_a_save_on_one_rank_only_fails_within_seconds_saying_every_rank_must_call_it(tmp_path: Path) -> None:
     """Its own pool: after a handshake that timed out, the ranks' later calls no longer pair up."""
-    pool = RankPool(2)
-    try:
+    with RankPool(2) as pool:
         results = pool.run(_save_on_rank_zero_only, str(tmp_path), timeout=60)
-    finally:
-        pool.close()
     assert results[1] == {"rank 1": "went on without saving"}
     assert results[0]["seconds"] < ARRIVAL + 3, results[0]
     assert results[0]["error"] == (
@@ -203,11 +200,8 @@ def _late_rank_one(ckpt_dir: str) -> dict[str, Any]:
 def test_a_late_rank_is_waited_for_with_an_early_warning_naming_it(tmp_path: Path) -> None:
     """DDP and DCP wait for a late rank until the process group's timeout; so does the
     checkpoint handshake by default (saying early which rank it waits for)."""
-    pool = RankPool(2, pg_timeout=45.0)  # its own group timeout, to see that it is the one used
-    try:
+    with RankPool(2, pg_timeout=45.0) as pool:  # its own group timeout, to see that it is the one used
         results = pool.run(_late_rank_one, str(tmp_path), timeout=60)
-    finally:
-        pool.close()
     assert results[0]["warnings"] == [
         "fxzero: save_checkpoint(step=1) on rank 0 has waited 0.3 s for rank(s) [1] of 2; it keeps waiting up to "
         "45 s (every rank must call it; pass arrival_timeout to fail sooner)"

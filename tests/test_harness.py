@@ -75,12 +75,9 @@ def test_an_unpicklable_function_or_argument_is_reported_at_once() -> None:
 def test_an_unpicklable_result_is_reported_at_once() -> None:
     """On a pool of its own: a failed task closes its pool, and the suite's shared one would
     then start over (seconds of imports and warm-up for the tests after this one)."""
-    pool = RankPool(2)
-    try:
+    with RankPool(2) as pool:
         start = time.monotonic()
         with pytest.raises(RankError, match=r"rank\(s\) \[0, 1\] of 2(.|\n)*_returns_a_lock returned a lock that cannot be pickled"):
             pool.run(_returns_a_lock, timeout=20)
         assert time.monotonic() - start < 10
         assert pool.closed
-    finally:
-        pool.close()

@@ -200,13 +200,10 @@ def test_cli_errors_name_the_bad_argument(targets: Path, tmp_path: Path, capsys:
 def test_fxzero_raising_on_a_rank_is_a_fail(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """On ranks of its own: a failed rank closes its pool, and the suite's shared one would
     then start over (seconds of imports and warm-up for the tests after this one)."""
-    pool = RankPool(2)
-    try:
+    with RankPool(2) as pool:
         with mock.patch("fxzero.parity.run.run_ranks", lambda world, fn, *args, **kwargs: pool.run(fn, *args, **kwargs)):
             assert main(["parity", f"{targets}:raises_on_ranks", "--inner-compiler", "eager", "--steps", "1"]) == 1
         assert pool.closed
-    finally:
-        pool.close()
     err = capsys.readouterr().err
     assert err.startswith("fxzero parity: FAIL: the fxzero run did not finish: train_rank failed on rank(s) [0, 1]")
     assert "RuntimeError: boom on a rank" in err

@@ -34,7 +34,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .mesh import is_dtensor
+from .._torch_compat import is_dtensor
 
 __all__ = ["HandGrad", "check_hand_grad"]
 

@@ -15,9 +15,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from .._torch_compat import is_dtensor
 from .buffer_sync import broadcast_flat
 from .comm import DataParallelGroup
-from .mesh import is_dtensor
 
 __all__ = ["broadcast_initial_state"]
 

@@ -38,28 +38,18 @@ What that needs, and what this module gives:
 from __future__ import annotations
 
 import dataclasses
-import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .._torch_compat import dtensor_local, set_dtensor_local
+from .._torch_compat import dtensor_local, is_dtensor, set_dtensor_local
 from .comm import DataParallelGroup
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
-__all__ = ["MeshNorms", "MeshParams", "check_mesh_params", "is_dtensor", "local_of", "planned", "rebind"]
-
-
-def is_dtensor(tensor: object) -> bool:
-    """Whether ``tensor`` is a DTensor, without importing ``torch.distributed.tensor``: no DTensor
-    exists before that module is loaded, and loading it cost every ``import fxzero`` ~0.6 s on
-    this machine, also in the processes of jobs without tensor parallelism."""
-    module = sys.modules.get("torch.distributed.tensor")
-    cls = getattr(module, "DTensor", None)
-    return cls is not None and isinstance(tensor, cls)
+__all__ = ["MeshNorms", "MeshParams", "check_mesh_params", "local_of", "planned", "rebind"]
 
 
 def local_of(param: torch.Tensor) -> torch.Tensor:

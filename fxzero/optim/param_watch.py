@@ -32,8 +32,8 @@ from typing import Sequence
 
 import torch
 
-from .._torch_compat import dtensor_local
-from .mesh import is_dtensor, local_of, rebind
+from .._torch_compat import dtensor_local, is_dtensor
+from .mesh import local_of, rebind
 from .param_sync import Gather
 from .param_table import ParamTable
 from .shards import BucketShard
