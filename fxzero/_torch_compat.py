@@ -41,6 +41,7 @@ __all__ = [
     "foreach_norm",
     "gradient_ops",
     "in_backward",
+    "inductor_compile_context",
     "inductor_decompositions",
     "inductor_partition",
     "inductor_post_grad_pass",
@@ -78,6 +79,45 @@ def inductor_pre_grad_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) 
     from torch._inductor.compile_fx import _recursive_pre_grad_passes
 
     return _recursive_pre_grad_passes(gm, example_inputs)
+
+
+@contextlib.contextmanager
+def inductor_compile_context(example_inputs: Sequence[Any]) -> Iterator[None]:
+    """The state ``torch.compile``'s Inductor backend sets up around its AOTAutograd call
+    (``torch._inductor.compile_fx._compile_fx_main``), for fxzero's own AOTAutograd call.
+
+    What for: Inductor's joint-graph and post-grad passes read it. Without ``V.fake_mode``
+    the random-op pass (``replace_random.fuse_seed_creation_pass``, run on every graph with
+    dropout, ``rand``/``randn`` or ``bernoulli``) fails, and without ``unlift_effect_tokens``
+    effectful ops compile differently from plain ``torch.compile``. Mirrors, in the same
+    order: ``_use_lazy_graph_module``, ``enable_python_dispatcher``, ``V.set_fake_mode``,
+    ``torch._guards.tracing``, ``compiled_autograd._disable`` and
+    ``torch._functorch.config.patch(unlift_effect_tokens=True, selective_decompose=...)``.
+    If torch moves them: the same list from ``_compile_fx_main``'s new body (torch's own
+    ``autograd_cache_key`` copies it too)."""
+    from torch._dispatch.python import enable_python_dispatcher
+    from torch._dynamo import compiled_autograd
+    from torch._dynamo import config as dynamo_config
+    from torch._functorch import config as functorch_config
+    from torch._guards import TracingContext, detect_fake_mode
+    from torch._inductor import config
+    from torch._inductor.virtualized import V
+    from torch._subclasses import FakeTensorMode
+    from torch.fx._lazy_graph_module import _use_lazy_graph_module
+
+    fake_mode = detect_fake_mode(example_inputs) or FakeTensorMode(allow_non_fake_inputs=True)
+    tracing_context = TracingContext.try_get() or TracingContext(fake_mode)
+    patch = {"unlift_effect_tokens": True}
+    if hasattr(config, "selective_decompose"):  # torch 2.13; 2.11 (the GPU machines') has none
+        patch["selective_decompose"] = config.selective_decompose
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_use_lazy_graph_module(dynamo_config.use_lazy_graph_module))
+        stack.enter_context(enable_python_dispatcher())
+        stack.enter_context(V.set_fake_mode(fake_mode))
+        stack.enter_context(torch._guards.tracing(tracing_context))
+        stack.enter_context(compiled_autograd._disable())
+        stack.enter_context(functorch_config.patch(**patch))
+        yield
 
 
 def inductor_decompositions() -> dict[Any, Callable[..., Any]]:

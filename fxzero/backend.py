@@ -9,6 +9,7 @@ business; graphs with no managed params compile exactly as plain ``torch.compile
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
@@ -68,12 +69,16 @@ def fxzero_backend(
     if inductor:  # as torch.compile's Inductor backend does, before AOTAutograd
         gm = compat.inductor_pre_grad_passes(gm, example_inputs)
     graph = GraphCompiler.for_graph(gm, example_inputs, inner_compiler=opts.inner_compiler, dump_dir=opts.dump_dir, recorder=opts.recorder)
-    compiled = compat.aot_autograd(
-        fw_compiler=graph.forward,
-        bw_compiler=graph.backward,
-        inference_compiler=graph.inference,
-        partition_fn=graph.partition,
-        decompositions=compat.inductor_decompositions() if inductor else None,
-        keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+    # Inductor's passes read the state its own backend sets up (the fake mode above all:
+    # the random-op pass needs it); the eager inner compiler runs none of them.
+    context = compat.inductor_compile_context(example_inputs) if inductor else contextlib.nullcontext()
+    with context:
+        compiled = compat.aot_autograd(
+            fw_compiler=graph.forward,
+            bw_compiler=graph.backward,
+            inference_compiler=graph.inference,
+            partition_fn=graph.partition,
+            decompositions=compat.inductor_decompositions() if inductor else None,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
     return graph.counting(compiled)
