@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import math
-from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 import torch.nn as nn
@@ -379,3 +380,36 @@ def param_groups(model: nn.Module, weight_decay: float = 0.1) -> list[dict]:
     decay = [p for p in trainable if p.dim() >= 2]
     no_decay = [p for p in trainable if p.dim() < 2]
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+RANK_SEED = 1234
+"""Rank ``r`` of a multi-rank test seeds its generator with ``RANK_SEED + r`` before its first
+step, as a training script that seeds ``base + rank`` does: its dropout masks are its own."""
+
+
+def seed_rank(rank: int) -> None:
+    torch.manual_seed(RANK_SEED + rank)
+
+
+class RankGenerators:
+    """Each rank's default-generator state, for a single-process reference of a multi-rank run:
+    inside ``rank(r)`` random ops draw what rank ``r``'s process draws after ``seed_rank(r)``
+    (the same ops in the same order: dropout masks then match eager's or Inductor's per rank)."""
+
+    def __init__(self, world: int) -> None:
+        saved = torch.get_rng_state()
+        self.states = []
+        for rank in range(world):
+            seed_rank(rank)
+            self.states.append(torch.get_rng_state())
+        torch.set_rng_state(saved)
+
+    @contextlib.contextmanager
+    def rank(self, rank: int) -> Iterator[None]:
+        saved = torch.get_rng_state()
+        torch.set_rng_state(self.states[rank])
+        try:
+            yield
+        finally:
+            self.states[rank] = torch.get_rng_state()
+            torch.set_rng_state(saved)
