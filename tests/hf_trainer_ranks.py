@@ -58,7 +58,7 @@ def refused_inside_ddp() -> str:
 def main() -> None:
     results = {
         "trainer_reference": hf_trainer.train(STEPS, reference=True),
-        "trainer_fxzero": hf_trainer.train(STEPS, reference=False, inner_compiler="eager"),
+        "trainer_fxzero": hf_trainer.train(STEPS, reference=False),
         "accelerate_reference": accelerate_losses(prepare_model=True, use_fxzero=False),
         "accelerate_fxzero": accelerate_losses(prepare_model=False, use_fxzero=True),
         "accelerate_prepared_model": refused_inside_ddp(),

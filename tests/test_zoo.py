@@ -16,6 +16,13 @@ the param all-gathers overlapping the forward (the mode with more to get wrong):
 * overlap on (gathers whose data lands only when waited for, so a read before its wait
   sees last step's values) and overlap off give bitwise the same losses and params.
 
+Every model runs its default regularisation (T5's dropout 0.1; the timm models, Mixtral and
+Whisper ship none), each rank drawing its own masks (:func:`models.seed_rank`); the reference
+draws each rank's masks for that rank's half (:class:`models.RankGenerators`). The eager
+inner compiler draws eager's masks; no Inductor case of the zoo has a random op (Inductor
+draws other masks than eager: ``test_random_ops.py``, and ``test_hf_models.py``'s GPT-2,
+whose reference is plain ``torch.compile``).
+
 Images are 64x64 so that the BatchNorm models' last layers normalise over more than a
 handful of values (at 32x32 a 1e-7 difference in summation order grew to 1e-4 in three
 steps, in eager code too). ``FXZERO_ZOO_TABLE=1`` prints a row per model (and always
@@ -42,7 +49,7 @@ from doubles import deferred_all_gather
 from models import batch as model_batch
 from models import build as build_model
 from models import loss_fn as model_loss
-from models import rank_step, runs_from_initial_state
+from models import RankGenerators, rank_step, runs_from_initial_state, seed_rank
 from zoo import ZOO, Case
 
 LR, STEPS, GLOBAL, WORLD = 0.05, 3, 8, 2
@@ -90,6 +97,7 @@ def _train(case: Case, model: torch.nn.Module, cmodel: Any, *, overlap: bool) ->
     opt = fxzero.DistributedOptimizer(_trainable(model), torch.optim.SGD, config=config, module=model, **_optimizer())
     gather = deferred_all_gather if overlap else DataParallelGroup.all_gather_async
     losses = []
+    seed_rank(rank)  # the rank's own dropout masks, the same in both runs
     with mock.patch.object(DataParallelGroup, "all_gather_async", gather):
         for step in range(STEPS):
             losses.append(rank_step(case.loss(cmodel, _half(case.data(step, GLOBAL), rank, world)), opt))
@@ -111,15 +119,21 @@ def _train_both(name: str) -> dict[str, Any]:
 
 
 def _reference(name: str, *, compiled: bool, world: int = WORLD) -> dict[str, Any]:
-    """Single process, each rank's half run separately, per-rank losses averaged."""
+    """Single process, each rank's half run separately with that rank's generator (its
+    dropout masks), per-rank losses averaged. ``compiled``: plain ``torch.compile`` with
+    ``fallback_random`` (eager's masks: the floor is Inductor's rounding alone)."""
     case = _CASES[name]
     model = _build(case)
     opt = torch.optim.SGD(_trainable(model), **_optimizer())
     forward = torch.compile(model) if compiled else model
-    losses = []
+    generators, losses = RankGenerators(world), []
     for step in range(STEPS):
         b = case.data(step, GLOBAL)
-        loss = sum(case.loss(forward, _half(b, r, world)) for r in range(world)) / world
+        parts = []
+        for r in range(world):
+            with generators.rank(r), torch._inductor.config.patch(fallback_random=True):
+                parts.append(case.loss(forward, _half(b, r, world)))
+        loss = sum(parts) / world
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -183,3 +197,20 @@ def test_mixtral_runs_the_loop_over_the_experts_picked() -> None:
     Mixtral is the loop over the experts some token picked (its graph breaks on ``nonzero``)."""
     model = _build(_CASES["mixtral"])
     assert model.config._experts_implementation == "eager"
+
+
+def test_the_zoo_keeps_every_regularisation_default() -> None:
+    """Shrunk in depth and width only: every dropout-like setting of a Hugging Face model's config
+    is its config class's default, and every timm model's dropout and drop path is timm's
+    (``drop_rate`` and ``drop_path_rate`` default to 0)."""
+    for name, case in ZOO.items():
+        model = case.build()
+        config = getattr(model, "config", None)
+        if config is not None:
+            defaults = type(config)()
+            changed = {k: v for k, v in config.to_dict().items() if "drop" in k and v != getattr(defaults, k, v)}
+            assert not changed, (name, changed)
+        else:
+            rates = {float(getattr(m, "p", getattr(m, "drop_prob", 0.0))) for m in model.modules() if "drop" in type(m).__name__.lower()}
+            assert rates <= {0.0}, (name, rates)
+    assert ZOO["t5"].build().config.dropout_rate > 0  # T5 ships dropout on, and trains with it here
