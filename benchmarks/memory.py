@@ -171,7 +171,7 @@ def _sweep(args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
-def _plot(table: list[list[str]], sweep: list[list[str]], path: str) -> None:
+def _plot(table: list[list[str]], sweep: list[list[str]], path: str, world: int) -> None:
     plt = plotting.pyplot(path)
     if plt is None:
         return
@@ -180,7 +180,7 @@ def _plot(table: list[list[str]], sweep: list[list[str]], path: str) -> None:
     ax = axes[0][0]
     ax.barh([r[0] for r in ok], [float(r[1]) for r in ok], color="tab:orange", label="peak")
     ax.barh([r[0] for r in ok], [float(r[-2]) for r in ok], color="tab:green", label="optimizer state")
-    ax.set_xlabel("MiB per rank (43M GPT, world 2)")
+    ax.set_xlabel(f"MiB per rank (43M GPT, world {world})")  # the world it ran at (the GPU check runs world 1)
     ax.invert_yaxis()
     ax.legend()
     done = [r for r in sweep if not r[3].startswith("FAILED")]
@@ -232,7 +232,7 @@ def main() -> None:
         print("\n## scale sweep: fxzero (Inductor) vs DDP gabv + compile\n")
         print(tabulate(sweep, headers=headers, tablefmt="github", disable_numparse=True))
         print("\n(ideal saving: (1 - 1/world) of DDP's AdamW state; ms: median step time of the slower rank, steps 2+, one run.)")
-    _plot(table, sweep, args.png)
+    _plot(table, sweep, args.png, args.world)
 
 
 if __name__ == "__main__":
