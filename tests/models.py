@@ -413,3 +413,12 @@ class RankGenerators:
         finally:
             self.states[rank] = torch.get_rng_state()
             torch.set_rng_state(saved)
+
+    def mean_loss(self, loss_of_rank: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """The ranks' losses averaged (DDP's gradient), each computed with its rank's generator."""
+        world = len(self.states)
+        parts = []
+        for rank in range(world):
+            with self.rank(rank):
+                parts.append(loss_of_rank(rank))
+        return sum(parts) / world

@@ -91,11 +91,7 @@ def _train_reference(name: str) -> dict:
     generators, losses, local = RankGenerators(WORLD), [], GLOBAL // WORLD
     for step in range(STEPS):
         x, y = _data(name, step)
-        parts = []
-        for r in range(WORLD):
-            with generators.rank(r):
-                parts.append(_loss(forward, x[r * local : (r + 1) * local], y[r * local : (r + 1) * local]))
-        loss = sum(parts) / WORLD
+        loss = generators.mean_loss(lambda r: _loss(forward, x[r * local : (r + 1) * local], y[r * local : (r + 1) * local]))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -129,11 +129,8 @@ def _reference(name: str, *, compiled: bool, world: int = WORLD) -> dict[str, An
     generators, losses = RankGenerators(world), []
     for step in range(STEPS):
         b = case.data(step, GLOBAL)
-        parts = []
-        for r in range(world):
-            with generators.rank(r), torch._inductor.config.patch(fallback_random=True):
-                parts.append(case.loss(forward, _half(b, r, world)))
-        loss = sum(parts) / world
+        with torch._inductor.config.patch(fallback_random=True):
+            loss = generators.mean_loss(lambda r: case.loss(forward, _half(b, r, world)))
         loss.backward()
         opt.step()
         opt.zero_grad()
