@@ -162,8 +162,18 @@ class Config:
     does not know is served exactly. Say ``"elementwise"`` for one you know is (Lion) to
     get the even split."""
 
+    state_dict_timeout: float = 120.0
+    """Seconds ``opt.state_dict()`` (collective at world size > 1) waits for every rank to call
+    it before it fails on the ranks that did, naming the fix. A call on rank 0 only (the DDP habit
+    ``if rank == 0: torch.save(opt.state_dict())``) would otherwise block until the process
+    group's timeout, or return one rank's shard: a checkpoint missing the others' state.
+    ``state_dict()`` warns after 10 s of waiting, naming the late ranks."""
+
     def __post_init__(self) -> None:
         _check_bucket_size(self.bucket_size)
+        timeout = self.state_dict_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
+            raise ValueError(f"Config.state_dict_timeout must be a finite number of seconds > 0, got {timeout!r}")
         flags = ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
                  "broadcast_buffers")
         for name in flags:

@@ -63,6 +63,7 @@ from .optim.grad_views import GradViews, grad_scaler_state
 from .optim.initial_broadcast import broadcast_initial_state
 from .optim.layout_agreement import check_ranks_agree, describe_layout
 from .optim.ledger import Ledger
+from .optim.module_no_sync import install_no_sync
 from .optim.mesh import check_mesh_params, local_of
 from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .optim.ownership import Balance, balance
@@ -123,6 +124,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         """Whether each param is owned whole by one rank (``Config.state_sharding``), not split in fragments."""
         self.dp = DataParallelGroup.resolve(process_group, self.config.grad_collective)
         self._constructing = True
+        self._consolidated: Optional[dict[str, Any]] = None
+        """The whole state :meth:`consolidate_state_dict` left on this rank; dropped at the next ``step()``."""
         super().__init__(params, defaults={})
         self._constructing = False
         self._kwargs = dict(defaults)
@@ -163,6 +166,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         if module is not None:
             handles = [*install_param_waits(module, self.param_table, self.param_sync), module.register_forward_pre_hook(refuse_ddp)]
             weakref.finalize(self, _remove_handles, handles)
+            weakref.finalize(self, install_no_sync(module, self.grad_sync.no_sync))  # Accelerate's and Trainer's accumulation
 
     # ---- construction -----------------------------------------------------------
     def _settings(self) -> tuple[Any, ...]:
@@ -196,7 +200,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self._rank_state = RankState(table, self.fragments, self.local)
         mesh_norms = self.mesh_params.norms(len(self.params), self.params[0].device)
         self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp, mesh_norms)
-        self.param_watch = ParamWatch(table, self.shards, self.gather, dp.rank, self.ledger.compiled)
+        self.param_watch = ParamWatch(table, self.shards, self.gather, dp.rank, self.ledger.compiled, adopt_copies=not overlap)
         self.grad_views = GradViews(table, self.reduced, self.param_watch.check)
         self.grad_sync = GradSync(
             self.params, self.ledger, self.reductions, before_grad_write=before_grad_write, after_backward=self.grad_views.install,
@@ -249,6 +253,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         The gradients are consumed: the next backward starts from zero. A tensor assigned to
         ``p.grad`` is used as is, not averaged, as under DDP (:mod:`fxzero.optim.hand_grads`)."""
         check_param_groups_kept(self.param_groups, self._built_groups)
+        self._consolidated = None
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -1,8 +1,11 @@
 """Run by tests/test_hf_trainer.py under ``torchrun --nproc-per-node 2``: the HF Trainer recipe
-(examples/hf_trainer.py) and its reference, then Accelerate on its own; rank 0 saves what each gave."""
+(examples/hf_trainer.py) and its reference, each with gradient accumulation, saving and
+resuming; then Accelerate's loop with ``accumulate``, ``save_state`` and ``load_state``; rank 0
+saves what each gave."""
 
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 import torchvision_compat
 
@@ -18,49 +21,84 @@ import fxzero
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import hf_trainer
 
-STEPS = 3
+STEPS = 4
 
 
-def accelerate_losses(prepare_model: bool, use_fxzero: bool) -> tuple[list[float], list[torch.Tensor]]:
-    """Two steps with Accelerate's own loop; with ``prepare_model`` the model goes through prepare (DDP)."""
-    model = hf_trainer.tiny_gpt2()
+def accelerate_losses(
+    use_fxzero: bool, accumulation: int = 1, checkpoint: Optional[Path] = None, steps: int = 2
+) -> tuple[list[float], list[torch.Tensor]]:
+    """Steps of Accelerate's own loop (``accelerator.accumulate``), under DDP or with fxzero.
+    ``checkpoint``: ``save_state`` there after the first step, then resume a fresh model,
+    optimizer and accelerator from it with ``load_state``."""
+    model, opt, accelerator, loader = _accelerate_setup(use_fxzero, accumulation)
+    losses = _accelerate_steps(accelerator, model, opt, loader, range(steps if checkpoint is None else 1))
+    if checkpoint is not None:
+        accelerator.save_state(str(checkpoint))
+        torch.manual_seed(99)  # load_state must restore every generator
+        model, opt, accelerator, loader = _accelerate_setup(use_fxzero, accumulation)
+        accelerator.load_state(str(checkpoint))
+        losses += _accelerate_steps(accelerator, model, opt, loader, range(1, steps))
     if use_fxzero:
+        opt.optimizer.finish_param_sync()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _accelerate_setup(use_fxzero: bool, accumulation: int) -> tuple[Any, Any, Accelerator, Any]:
+    model = hf_trainer.tiny_gpt2()
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+    loader = DataLoader(hf_trainer.random_tokens(), batch_size=4)
+    if use_fxzero:  # the README's recipe: the model is not prepared (DDP would wrap it) but saved with the state
         opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, module=model, lr=1e-2)
+        opt, loader = accelerator.prepare(opt, loader)
+        accelerator.register_for_checkpointing(model)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    accelerator = Accelerator(cpu=True)
-    loader = DataLoader(hf_trainer.random_tokens(), batch_size=4)
-    inner = opt
-    if prepare_model:
         model, opt, loader = accelerator.prepare(model, opt, loader)
-    else:
-        opt, loader = accelerator.prepare(opt, loader)
-    losses = []
-    for _, batch in zip(range(2), loader):
-        loss = model(**batch).loss
-        accelerator.backward(loss)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    if use_fxzero:
-        inner.finish_param_sync()
-    return losses, [p.detach().clone() for p in model.parameters()]
+    return model, opt, accelerator, loader
+
+
+def _accelerate_steps(accelerator: Accelerator, model: Any, opt: Any, loader: Any, steps: range) -> list[float]:
+    losses, batches = [], iter(loader)
+    for _ in range(steps.start * accelerator.gradient_accumulation_steps):
+        next(batches)  # the batches the steps before a resume took
+    for _ in steps:
+        for _ in range(accelerator.gradient_accumulation_steps):
+            with accelerator.accumulate(model):
+                loss = model(**next(batches)).loss
+                accelerator.backward(loss)
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+    return losses
 
 
 def refused_inside_ddp() -> str:
     try:
-        accelerate_losses(prepare_model=True, use_fxzero=True)
+        model, opt, accelerator, loader = _accelerate_setup(use_fxzero=True, accumulation=1)
+        model = accelerator.prepare(model)  # wrapped in DDP
+        _accelerate_steps(accelerator, model, opt, loader, range(1))
     except RuntimeError as error:
         return str(error)
     return "ran"
 
 
+def trainer_runs(root: Path, reference: bool) -> dict[str, Any]:
+    """Trainer with 2-step accumulation, saving every 2 steps: 4 steps straight, then 4 steps
+    resumed from the checkpoint of step 2 (Trainer's own save and resume)."""
+    name = "reference" if reference else "fxzero"
+    straight = hf_trainer.train(STEPS, reference, output_dir=str(root / name), save_steps=2, accumulation=2)
+    resumed = hf_trainer.train(STEPS, reference, output_dir=str(root / f"{name}-resumed"), resume=str(root / name / "checkpoint-2"),
+                               accumulation=2)  # fmt: skip
+    return {"straight": straight, "resumed": resumed, "optimizer_file": str(root / name / "checkpoint-2" / "optimizer.pt")}
+
+
 def main() -> None:
+    root = Path(sys.argv[2])  # shared by the ranks: Trainer writes rank 0's files and each rank's RNG state there
     results = {
-        "trainer_reference": hf_trainer.train(STEPS, reference=True),
-        "trainer_fxzero": hf_trainer.train(STEPS, reference=False),
-        "accelerate_reference": accelerate_losses(prepare_model=True, use_fxzero=False),
-        "accelerate_fxzero": accelerate_losses(prepare_model=False, use_fxzero=True),
+        "trainer_reference": trainer_runs(root, reference=True),
+        "trainer_fxzero": trainer_runs(root, reference=False),
+        "accelerate_reference": accelerate_losses(use_fxzero=False, accumulation=2, checkpoint=root / "acc-ref"),
+        "accelerate_fxzero": accelerate_losses(use_fxzero=True, accumulation=2, checkpoint=root / "acc-fxzero"),
         "accelerate_prepared_model": refused_inside_ddp(),
     }
     if dist.get_rank() == 0:

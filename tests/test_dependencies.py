@@ -54,3 +54,28 @@ def test_numpy_which_torch_warns_without_is_a_declared_dependency() -> None:
     import numpy as np
 
     assert numpy[0].specifier.contains(np.__version__), (str(numpy[0]), np.__version__)
+
+
+def _needs(package: str, seen: set[str]) -> set[str]:
+    """``package`` and everything it installs (its requirements without an extra's marker), as installed here."""
+    from importlib import metadata
+
+    name = package.lower().replace("_", "-")
+    if name in seen:
+        return seen
+    seen.add(name)
+    for line in metadata.requires(name) or []:
+        requirement = Requirement(line)
+        if requirement.marker is None or requirement.marker.evaluate({"extra": ""}):
+            _needs(requirement.name, seen)
+    return seen
+
+
+def test_the_hf_extra_installs_no_torchvision() -> None:
+    """The README's Hugging Face install (``.[hf]``) must leave ``import transformers`` working on
+    a CPU torch: the one torchvision for torch 2.13 is a CUDA build that breaks it there."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["hf"]
+    needed: set[str] = set()
+    for line in extra:
+        _needs(Requirement(line).name, needed)
+    assert {"transformers", "accelerate", "torch"} <= needed and "torchvision" not in needed

@@ -108,7 +108,7 @@ def _rank0_reads(overlap: bool) -> float:
                 with torch.no_grad():
                     model(x[:2])
             else:
-                torch.save((model if what == "model" else opt).state_dict(), io.BytesIO())
+                torch.save(model.state_dict() if what == "model" else opt.rank_state_dict(), io.BytesIO())
         dist.barrier() if step % 2 == 0 else dist.all_reduce(loss.detach())
     opt.finish_param_sync()
     return float(parameters_to_vector(model.parameters()).sum())
@@ -116,7 +116,7 @@ def _rank0_reads(overlap: bool) -> float:
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["default", "overlap"])
 def test_rank0_only_reads_then_a_collective_do_not_hang(overlap: bool) -> None:
-    """Rank 0 saves ``model.state_dict()`` / ``opt.state_dict()`` or evaluates alone while the
+    """Rank 0 saves ``model.state_dict()`` / ``opt.rank_state_dict()`` or evaluates alone while the
     other rank goes on to a barrier / all-reduce: both finish (with overlap on too: the step
     launched every gather on every rank, so rank 0's wait needs nothing more from its peer)."""
     sums = run_ranks(2, _rank0_reads, overlap, timeout=60)
@@ -130,7 +130,7 @@ def _resume_every_rank_from_rank0s_file() -> str:
     x, y = batch("gpt", 0, 4)
     loss_fn("gpt", model(x), y).backward()
     opt.step()
-    saved = [opt.state_dict() if rank == 0 else None]
+    saved = [opt.rank_state_dict() if rank == 0 else None]
     dist.broadcast_object_list(saved, group_src=0)  # what every rank reads back from rank 0's file
     try:
         opt.load_state_dict(saved[0])

@@ -42,9 +42,29 @@ def test_moving_the_model_to_the_device_it_is_on_keeps_training_exact() -> None:
     assert all(p.data_ptr() == v.data_ptr() for p, v in zip(opt.params, opt.param_watch._views))
 
 
-def test_a_real_cast_or_new_values_are_still_refused() -> None:
+def test_param_data_replaced_by_new_values_trains_on_as_with_torch_optim() -> None:
+    """Trainer's resume loads the checkpoint's weights into the params it moved (copies):
+    ``param.data = t`` of the same dtype, device and shape is taken in, as torch.optim would."""
     model, opt = _model_and_opt()
-    model[0].weight.data = model[0].weight.data + 1  # same device and dtype, other values
+    model.to("cpu:0")
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    ref.load_state_dict(model.state_dict())
+    for net in (model, ref):
+        net[0].weight.data = net[0].weight.data + 1
+    got, want = _train(model, opt), _train(ref, torch.optim.AdamW(ref.parameters(), lr=0.1))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_real_cast_or_new_values_under_overlapped_gathers_are_still_refused() -> None:
+    model, opt = _model_and_opt()
+    model[0].double()
+    with pytest.raises(RuntimeError, match=r"param '0.weight' \(now torch.float64 on cpu\) is no longer a view"):
+        opt.step()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, module=model,
+                                      config=fxzero.Config(overlap_param_gather=True))  # fmt: skip
+    model[0].weight.data = model[0].weight.data + 1  # may be a copy taken before a gather landed
     model(torch.ones(1, 4)).sum().backward()
     with pytest.raises(RuntimeError, match=r"param '0.weight' .* is no longer a view"):
         opt.step()
@@ -69,10 +89,11 @@ def test_a_fxzero_model_inside_ddp_is_refused_naming_the_fix() -> None:
 @pytest.fixture(scope="module")
 def recipe(tmp_path_factory: pytest.TempPathFactory) -> dict:
     """tests/hf_trainer_ranks.py under torchrun at world 2 (one launch for every check below)."""
-    out = tmp_path_factory.mktemp("hf") / "results.pt"
+    root = tmp_path_factory.mktemp("hf")
+    out = root / "results.pt"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/hf_trainer_ranks.py", str(out)]
-    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240, check=False)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "tests/hf_trainer_ranks.py", str(out), str(root)]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420, check=False)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
@@ -82,21 +103,40 @@ def _same(a: tuple[list[float], list[torch.Tensor]], b: tuple[list[float], list[
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_the_trainer_recipe_trains_exactly_like_trainer_with_adamw_under_ddp(recipe: dict) -> None:
-    assert len(recipe["trainer_fxzero"][0]) == 3 and _same(recipe["trainer_fxzero"], recipe["trainer_reference"])
+@pytest.mark.timeout(480)
+def test_the_trainer_recipe_with_accumulation_trains_exactly_like_trainer_with_adamw_under_ddp(recipe: dict) -> None:
+    fxzero_run, reference = recipe["trainer_fxzero"]["straight"], recipe["trainer_reference"]["straight"]
+    assert len(fxzero_run[0]) == 4 and _same(fxzero_run, reference)
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_accelerate_with_the_optimizer_and_loader_prepared_trains_like_ddp(recipe: dict) -> None:
-    assert _same(recipe["accelerate_fxzero"], recipe["accelerate_reference"])
+@pytest.mark.timeout(480)
+def test_trainer_checkpoints_hold_the_whole_optimizer_state_and_resume_exactly(recipe: dict) -> None:
+    """Trainer's optimizer.pt (saved by rank 0 alone) is the whole state in torch.optim's schema,
+    the same as DDP + AdamW's; resuming from it trains on bitwise, as the reference does."""
+    fxzero_run, reference = recipe["trainer_fxzero"], recipe["trainer_reference"]
+    saved, want = (torch.load(r["optimizer_file"], weights_only=True) for r in (fxzero_run, reference))
+    assert sorted(saved["state"]) == sorted(want["state"]) == list(range(len(fxzero_run["straight"][1])))
+    for index, state in want["state"].items():
+        assert sorted(saved["state"][index]) == sorted(state)
+        assert all(torch.equal(saved["state"][index][key], value) for key, value in state.items())
+    assert _same(reference["resumed"], reference["straight"])
+    assert _same(fxzero_run["resumed"], fxzero_run["straight"]) and _same(fxzero_run["resumed"], reference["resumed"])
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_accelerate_preparing_the_model_is_refused_naming_the_fix(recipe: dict) -> None:
-    assert "accelerator.prepare(opt, dl)" in recipe["accelerate_prepared_model"]
+@pytest.mark.timeout(480)
+def test_accelerate_accumulate_save_state_and_load_state_train_like_ddp(recipe: dict) -> None:
+    """Two micro-batches a step (``accelerator.accumulate``), ``save_state`` after the first
+    step, a fresh model, optimizer and accelerator ``load_state`` and take the second: bitwise
+    what the same loop does under DDP."""
+    assert len(recipe["accelerate_fxzero"][0]) == 4 and _same(recipe["accelerate_fxzero"], recipe["accelerate_reference"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_accelerate_wrapping_the_model_in_ddp_is_refused_naming_the_fix(recipe: dict) -> None:
+    assert "model._is_accelerate_prepared = True" in recipe["accelerate_prepared_model"]
 
 
 def test_torch_compile_backend_fxzero_is_refused_by_accelerate_and_trainers_default_is_fused_adamw(tmp_path: Path) -> None:

@@ -93,7 +93,7 @@ def test_a_plain_state_dict_with_other_groups_is_refused_naming_the_groups() -> 
 def _other_world_state() -> str:
     model = _model()
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05)
-    state = opt.state_dict()
+    state = opt.rank_state_dict()
     state["world_size"] = dist.get_world_size() + 1 if dist.is_initialized() else 2
     try:
         opt.load_state_dict(state)
@@ -237,24 +237,37 @@ def test_opt_state_has_the_same_keys_on_every_rank_and_this_ranks_piece_of_each(
     assert run_ranks(2, _one_element_rank_state, timeout=90) == [(1, True, ["exp_avg", "exp_avg_sq", "step"]), (1, True, [])]
 
 
-def _rank_0_alone_saves() -> bytes:
+def _rank_0_alone_saves() -> tuple[str, bytes]:
+    """The DDP habit, ``if rank == 0: torch.save(opt.state_dict(), f)``, then the collective call."""
     model = _model()
-    opt = _fxzero(model)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, config=fxzero.Config(state_dict_timeout=1.0))
     _train(model, opt, range(STEPS))
-    opt.finish_param_sync()
-    buffer = io.BytesIO()
+    error = ""
     if dist.get_rank() == 0:
-        torch.save(opt.state_dict(), buffer)  # the DDP habit: no collective, so rank 1 need not join
+        with pytest.raises(RuntimeError) as caught:
+            opt.state_dict()
+        error = str(caught.value)
     dist.barrier()
-    return buffer.getvalue()
+    buffer = io.BytesIO()
+    # what every rank's state_dict() returns (after a timed-out call the ranks' calls no longer pair up)
+    state = opt.consolidated_state_dict()
+    if dist.get_rank() == 0:
+        torch.save(state, buffer)
+    return error, buffer.getvalue()
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_0_only_state_dict_is_per_rank_and_refused_at_world_1_naming_save_checkpoint() -> None:
-    saved = torch.load(io.BytesIO(run_ranks(2, _rank_0_alone_saves, timeout=90)[0]), weights_only=True)
-    assert saved["format"] == "fxzero.DistributedOptimizer/1" and saved["world_size"] == 2
-    with pytest.raises(ValueError, match=r"saved on rank 0 of 2, loading on rank 0 of 1.*fxzero\.save_checkpoint"):
-        _fxzero(_model()).load_state_dict(saved)
+def test_state_dict_on_rank_0_alone_fails_naming_the_fix_and_every_ranks_call_gives_the_whole_state() -> None:
+    """No path saves one rank's shard as if it were the optimizer's state."""
+    (error, saved), _ = run_ranks(2, _rank_0_alone_saves, timeout=90)
+    assert "rank(s) [1] of 2 did not call it within 1 s" in error and "consolidate_state_dict()" in error
+    assert "`state = opt.state_dict()` before `if rank == 0: torch.save(state, ...)`" in error
+    whole = torch.load(io.BytesIO(saved), weights_only=True)
+    model = _model()
+    reference = torch.optim.AdamW(model.parameters(), lr=0.05)
+    _train(model, reference, range(STEPS))
+    want = reference.state_dict()
+    assert _same_state(whole, want) == (True, True)
 
 
 def _state_dict_hook_calls(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple]:

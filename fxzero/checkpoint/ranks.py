@@ -23,17 +23,15 @@ mistakes hang instead of fail:
 from __future__ import annotations
 
 import dataclasses
-import datetime
+import functools
 import logging
-import time
-import warnings
 from typing import Any, Callable, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from .._torch_compat import process_group_store, process_group_timeout
+from ..optim.arrival import Absent, Mismatch, meet
 from ..optim.comm import DataParallelGroup
 from .state import CheckpointError
 
@@ -99,94 +97,29 @@ class CheckpointRanks:
         """Return once every rank of the group has called ``handshake`` with the same
         ``call`` (``"save_checkpoint(step=5)"``); raise on every rank that arrived if one
         called something else, or if some rank has not arrived within ``timeout`` seconds
-        (``None``: the process group's timeout); warn after :data:`ARRIVAL_WARNING` seconds.
-
-        The n-th call of each rank meets the n-th call of the others (each rank counts its
-        own calls in the store). Each rank compares its ``call`` with rank 0's and reports a
-        difference before counting itself in, so when the last rank arrives everyone knows.
-        O(1) store operations per rank; the previous call's keys are deleted."""
-        if self.dp.size == 1:
-            return
-        timeout = process_group_timeout(self.dp.group, device) if timeout is None else timeout
-        store, rank = process_group_store(self.dp.group), self.dp.rank
-        generation = store.add(f"{_KEYS}/calls/{rank}", 1)
-        key, clock = f"{_KEYS}/{generation}", _Clock(time.monotonic(), timeout)
-        store.set(f"{key}/{rank}", call)
-        self._wait(store, f"{key}/0", clock, call)
-        first = store.get(f"{key}/0").decode()
-        if first != call:
-            store.append(f"{key}/differ", f"; rank {rank} called {call}")
-        if store.add(f"{key}/arrived", 1) == self.dp.size:
-            store.set(f"{key}/all", "")
-        self._wait(store, f"{key}/all", clock, call)
-        if store.check([f"{key}/differ"]):
-            differ = store.get(f"{key}/differ").decode()
+        (``None``: the process group's timeout); warn after :data:`ARRIVAL_WARNING` seconds
+        (:func:`~fxzero.optim.arrival.meet`)."""
+        try:
+            meet(self.dp, _KEYS, call, timeout, device, warn_after=ARRIVAL_WARNING, late=functools.partial(self._late, call))
+        except Mismatch as err:
             raise CheckpointError(
                 "save_checkpoint and load_checkpoint are collective: every rank of the optimizer's group must make "
-                f"the same call at the same point, but rank 0 called {first}{differ}"
-            )
-        self._forget(store, generation - 1)
+                f"the same call at the same point, but rank 0 called {err.first}{err.others}"
+            ) from None
+        except Absent as err:
+            raise CheckpointError(
+                f"{call} on rank {self.dp.rank}: rank(s) {err.missing or 'of the group'} of {self.dp.size} "
+                f"did not call save_checkpoint/load_checkpoint within {err.timeout:g} s. Both are collective: every "
+                "rank must call them, at the same point of the program (a rank that does long work of its own first, "
+                "such as an evaluation on rank 0 only, needs a larger arrival_timeout)"
+            ) from None
 
-    def _wait(self, store: dist.Store, key: str, clock: "_Clock", call: str) -> None:
-        if not clock.warned and _wait_until(store, key, min(clock.warn_at, clock.deadline)):
-            return
-        if not clock.warned and time.monotonic() < clock.deadline:
-            clock.warned = True
-            message = (
-                f"fxzero: {call} on rank {self.dp.rank} has waited {ARRIVAL_WARNING:g} s for rank(s) "
-                f"{self._missing(store, key)} of {self.dp.size}; it keeps waiting up to {clock.timeout:g} s "
-                "(every rank must call it; pass arrival_timeout to fail sooner)"
-            )
-            log.warning("%s", message)
-            warnings.warn(message, stacklevel=4)
-        if _wait_until(store, key, clock.deadline):
-            return
-        raise CheckpointError(
-            f"{call} on rank {self.dp.rank}: rank(s) {self._missing(store, key) or 'of the group'} of {self.dp.size} "
-            f"did not call save_checkpoint/load_checkpoint within {clock.timeout:g} s. Both are collective: every "
-            "rank must call them, at the same point of the program (a rank that does long work of its own first, "
-            "such as an evaluation on rank 0 only, needs a larger arrival_timeout)"
+    def _late(self, call: str, missing: list[int], timeout: float) -> str:
+        return (
+            f"fxzero: {call} on rank {self.dp.rank} has waited {ARRIVAL_WARNING:g} s for rank(s) "
+            f"{missing} of {self.dp.size}; it keeps waiting up to {timeout:g} s "
+            "(every rank must call it; pass arrival_timeout to fail sooner)"
         )
-
-    def _missing(self, store: dist.Store, key: str) -> list[int]:
-        prefix = key.rsplit("/", 1)[0]
-        return [r for r in range(self.dp.size) if not store.check([f"{prefix}/{r}"])]
-
-    def _forget(self, store: dist.Store, generation: int) -> None:
-        """Every rank has arrived at the next call, so no one reads ``generation``'s keys any more."""
-        if generation < 1:
-            return
-        key = f"{_KEYS}/{generation}"
-        store.delete_key(f"{key}/{self.dp.rank}")
-        if self.dp.rank == 0:
-            for name in ("arrived", "all", "differ"):
-                store.delete_key(f"{key}/{name}")
-
-
-@dataclasses.dataclass
-class _Clock:
-    """One handshake's deadlines."""
-
-    start: float
-    timeout: float
-    warned: bool = False
-
-    @property
-    def deadline(self) -> float:
-        return self.start + self.timeout
-
-    @property
-    def warn_at(self) -> float:
-        return self.start + ARRIVAL_WARNING
-
-
-def _wait_until(store: dist.Store, key: str, deadline: float) -> bool:
-    """Whether ``key`` appeared in ``store`` before ``deadline`` (``time.monotonic()``)."""
-    try:
-        store.wait([key], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-    except RuntimeError:  # DistStoreError: the timeout
-        return False
-    return True
 
 
 def _cause(err: BaseException) -> str:

@@ -8,8 +8,9 @@ every ``step()``:
   ``param.data = t``): the param stops being a view of the flat buffer, so the step
   would update memory the model no longer reads. Caught by comparing each param's
   ``data_ptr()`` with the view's, and reported as an error naming the param, unless
-  the param holds a bitwise copy of its view on the same device (a move to the device it
-  was on, such as ``model.to("cpu:0")``): then it is pointed back at the view.
+  the param holds a tensor of its view's dtype, device and shape (a move to the device it
+  was on, such as ``model.to("cpu:0")``, or ``param.data = t``): then it is pointed back at
+  the view, its values copied in first where they differ (not with ``overlap_param_gather``).
 * **tensor hooks registered after a compiled graph that reads the param was built**:
   that graph's backward hands the gradient to fxzero without running them. An error.
 * **values written** (``model.load_state_dict(pretrained)``, ``p.data.copy_``,
@@ -47,8 +48,10 @@ class ParamWatch:
     """Per-step checks that the params are still the ones the optimizer updates."""
 
     def __init__(
-        self, table: ParamTable, shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: bytearray
+        self, table: ParamTable, shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: bytearray, *, adopt_copies: bool = True
     ) -> None:
+        self._adopt = adopt_copies
+        """Whether a param's copy holding other values is taken in (not with ``overlap_param_gather``: see :func:`_rebind_copy`)."""
         self.table, self.params, self.gather, self.rank = table, table.params, gather, rank
         # a DTensor param has no storage of its own: its local tensor is the buffer's view
         self._dtensors = tuple(i for i, p in enumerate(self.params) if is_dtensor(p))
@@ -83,11 +86,11 @@ class ParamWatch:
         ):
             return
         for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
-            if param.data_ptr() != pointer and not _rebind_copy(param, self._views[slot]):
+            if param.data_ptr() != pointer and not _rebind_copy(param, self._views[slot], self._adopt):
                 raise RuntimeError(_moved_message(self.table.label(slot), param))
         for slot, pointer in zip(self._dtensors, self._local_pointers):
             param = self.params[slot]
-            if dtensor_local(param).data_ptr() != pointer and not _rebind_copy(param, self._views[slot]):
+            if dtensor_local(param).data_ptr() != pointer and not _rebind_copy(param, self._views[slot], self._adopt):
                 raise RuntimeError(_moved_message(self.table.label(slot), param))
         for slot, param in enumerate(self.params):
             if param._backward_hooks and self._compiled[slot]:
@@ -108,16 +111,24 @@ class ParamWatch:
                 )
 
 
-def _rebind_copy(param: torch.Tensor, view: torch.Tensor) -> bool:
-    """Point ``param`` back at its buffer ``view`` if it now holds a copy of it: same dtype,
-    device and shape and bitwise the same values. That is a move to the device it was on
-    (``model.to("cpu:0")`` copies CPU tensors, whose device is ``cpu``: HF Trainer and
-    Accelerate move the model to their device after the optimizer exists). Any other change
-    (a cast, a real move, values that differ: written, or read before a gather landed) is refused."""
+def _rebind_copy(param: torch.Tensor, view: torch.Tensor, adopt: bool) -> bool:
+    """Point ``param`` back at its buffer ``view`` if it now holds a tensor of the same dtype,
+    device and shape: a move to the device it was on (``model.to("cpu:0")`` copies CPU
+    tensors, whose device is ``cpu``: HF Trainer and Accelerate move the model to their device
+    after the optimizer exists), or ``param.data = t``. Values that differ (Trainer's resume
+    loads the checkpoint's weights into those copies) are copied into the view first, as
+    torch.optim would go on training whatever ``param.data`` now holds, when ``adopt``: with
+    ``overlap_param_gather`` a copy may have been taken before a gather landed, and its stale
+    values would undo a step, so they are refused there. A cast or a real move is refused."""
     local = local_of(param)
     same = local.dtype == view.dtype and local.device == view.device and local.shape == view.shape
-    if not (same and torch.equal(local.data, view)):
+    if not same:
         return False
+    if not torch.equal(local.data, view):
+        if not adopt:
+            return False
+        view.copy_(local.data)
+        log.info("values written into a copy of a param taken into the optimizer's flat buffer")
     rebind(param, view)
     log.info("a param moved to the device it was on is a view of the optimizer's flat buffer again")
     return True

@@ -10,28 +10,37 @@ formats themselves are :mod:`fxzero.optim.state_dict`'s.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
-from .._torch_compat import called_from_torch_checkpoint, with_load_state_dict_hooks, with_state_dict_hooks
+from ..config import Config
+from .._torch_compat import with_load_state_dict_hooks, with_state_dict_hooks
+from .arrival import Absent, Mismatch, meet
 from .buffers import ParamAndGradBuffer
 from .comm import DataParallelGroup
 from .mesh import MeshParams
 from .param_table import ParamTable
 from .rank_state import RankState, held_on_any_rank
 from .shards import BucketShard, FragmentTensor
-from .state_dict import STATE_FORMAT, check_state_dict, consolidated_state, hyperparameters, is_plain_state_dict
+from .state_dict import MASTER_KEY, STATE_FORMAT, check_state_dict, consolidated_state, hyperparameters, is_plain_state_dict
 from .state_dict import layout_key, plain_fragment_states
 
-__all__ = ["ShardedState"]
+__all__ = ["STATE_DICT_WARNING", "ShardedState"]
+
+STATE_DICT_KEYS = "fxzero/state_dict"
+STATE_DICT_WARNING = 10.0
+"""Seconds a rank waits in ``state_dict()`` for the others before it warns, naming them."""
 
 
 class ShardedState:
     """State methods over the parts a DistributedOptimizer holds."""
 
+    config: Config
     dp: DataParallelGroup
+    _consolidated: Optional[dict[str, Any]]
     buffers: Sequence[ParamAndGradBuffer]
     shards: Sequence[BucketShard]
     fragments: Sequence[FragmentTensor]
@@ -55,17 +64,38 @@ class ShardedState:
             raise AttributeError("DistributedOptimizer.state is a read-only view; load state with load_state_dict")
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state, for a resume at the same world size and layout; not a
-        collective, so one rank alone may save it. Called from ``torch.distributed.checkpoint``
-        (``get/set_optimizer_state_dict``, ``dcp.save``/``load``: collectives every rank calls;
-        caller told apart by its module), it is :meth:`consolidated_state_dict`: the whole
-        state in plain format, what they read and what DCP's dedup of plain tensors keeps right.
-        State-dict hooks registered on the optimizer run around either, as in torch.optim."""
-        # asked here, not inside the hooks' helper: it counts the frames above this method
-        produce = self.consolidated_state_dict if called_from_torch_checkpoint() else self._rank_state_dict
-        return with_state_dict_hooks(self, produce)  # type: ignore[arg-type]
+        """The whole optimizer state in ``torch.optim``'s schema: what the wrapped optimizer
+        class over the same param groups would return without fxzero (it loads into one, or
+        back into a DistributedOptimizer at any world size), plus each param's fp32 master
+        values where they are kept apart from the params (``MASTER_KEY``).
 
-    def _rank_state_dict(self) -> dict[str, Any]:
+        At world size > 1 it is collective, like FSDP's ``optim_state_dict``: every rank of
+        the group calls it, and every rank gets the whole state. A call on some ranks only
+        (``if rank == 0: torch.save(opt.state_dict())``) fails on the ranks that made it
+        within ``Config.state_dict_timeout`` seconds, naming the fix, instead of saving one
+        rank's shard. The exception is ZeroRedundancyOptimizer's protocol, which Lightning
+        and :class:`fxzero.hugging_face.CheckpointCallback` follow: after
+        :meth:`consolidate_state_dict` on every rank, rank ``to`` alone returns the
+        consolidated state (until the next ``step()``). Hooks registered on the optimizer
+        run around it, as in torch.optim."""
+        return with_state_dict_hooks(self, self._whole_state_dict)  # type: ignore[arg-type]
+
+    def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
+        """Gather the whole state onto rank ``to`` of the group (``None``: every rank;
+        collective: every rank calls it), where the next :meth:`state_dict` returns it without
+        a collective, as ``torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict``
+        does. Lightning calls it on every rank before saving a checkpoint on rank 0. What is
+        held is dropped at the next ``step()``, so a later save never returns stale state."""
+        if to is not None and not (isinstance(to, int) and 0 <= to < self.dp.size):
+            raise ValueError(f"consolidate_state_dict(to={to!r}): the optimizer's group has ranks 0..{self.dp.size - 1}")
+        whole = self._collective_state_dict("consolidate_state_dict")
+        self._consolidated = whole if to is None or self.dp.rank == to else None
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the state (fxzero's own format, ``STATE_FORMAT``), for a
+        resume at the same world size, layout and rank: no collective, and every rank must
+        save its own (``load_state_dict`` refuses another rank's, naming it). What
+        ``state_dict()`` returned before fxzero 0.2, and what DTensor params still need."""
         self.finish_param_sync()
         return {
             "format": STATE_FORMAT,
@@ -77,6 +107,24 @@ class ShardedState:
             "main_shards": [s.main for s in self.shards if not s.main_is_param],
         }
 
+    def _whole_state_dict(self) -> dict[str, Any]:
+        if self._consolidated is not None:
+            return self._consolidated
+        return self._collective_state_dict("state_dict")
+
+    def _collective_state_dict(self, call: str) -> dict[str, Any]:
+        """Meet every rank first (:func:`~fxzero.optim.arrival.meet`): a call made on some
+        ranks only fails there in bounded time rather than blocking in the gather."""
+        self.refuse_param_shaped_state(f"opt.{call}()")
+        device = self.params[0].device
+        try:
+            meet(self.dp, STATE_DICT_KEYS, call, self.config.state_dict_timeout, device,
+                 warn_after=STATE_DICT_WARNING, late=functools.partial(_late, self.dp, call))  # fmt: skip
+        except (Absent, Mismatch) as err:
+            raise RuntimeError(_not_collective(self.dp, call, err)) from None
+        self.finish_param_sync()
+        return self.consolidated_state_dict()
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load what :meth:`state_dict` saved on this rank, or a plain ``torch.optim`` state
         dict of the same optimizer class (a run without fxzero: each rank takes its shard).
@@ -86,6 +134,7 @@ class ShardedState:
         with_load_state_dict_hooks(self, state_dict, self._load_state_dict)  # type: ignore[arg-type]
 
     def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._consolidated = None
         plain = is_plain_state_dict(state_dict)
         if plain:
             self.refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
@@ -100,7 +149,11 @@ class ShardedState:
         self.dp.agree(problem, "load_state_dict")
         with self.replacing_state():
             if plain:
+                masters = [state.pop(MASTER_KEY, None) for state in states]
                 self.load_fragment_states(states)
+                for frag, master in zip(self.fragments, masters):
+                    if master is not None:
+                        frag.param.copy_(master)
             else:
                 self.local.load_state_dict(state_dict["local"])
                 separate = [s for s in self.shards if not s.main_is_param]
@@ -113,9 +166,15 @@ class ShardedState:
         """The whole optimizer state in plain ``torch.optim`` format, on every rank
         (collective: every rank of the group calls it). It loads into the wrapped
         optimizer class over the same param groups without fxzero, or back into a
-        DistributedOptimizer at any world size (:meth:`load_state_dict`)."""
+        DistributedOptimizer at any world size (:meth:`load_state_dict`). What
+        :meth:`state_dict` returns, without its check that every rank called it."""
         self.refuse_param_shaped_state("consolidated_state_dict")
-        states = [self.fragment_state(f) for f in self.fragments]
+        separate = {s.bucket.index for s in self.shards if not s.main_is_param}
+        bucket_of = self.param_table.bucket_of_slot
+        states = [
+            self.fragment_state(f) | ({MASTER_KEY: f.param} if bucket_of[f.slot] in separate else {})
+            for f in self.fragments
+        ]
         state = consolidated_state(self.param_table, self.fragments, states, self.dp)
         groups = [
             hyperparameters(group) | {"params": list(self.param_table.group_slots[g])}
@@ -133,7 +192,8 @@ class ShardedState:
             raise NotImplementedError(
                 f"fxzero: {what} with DTensor params (e.g. {self.param_table.label(slot)!r}) is not supported yet; "
                 "fxzero.save_checkpoint / load_checkpoint (any data-parallel size and tensor-parallel degree) and "
-                "opt.state_dict() / opt.load_state_dict() of fxzero's own per-rank format (same mesh and layout) are."
+                "opt.rank_state_dict() / opt.load_state_dict() of fxzero's own per-rank format (same mesh and layout, "
+                "every rank saving its own) are."
             )
 
     # ---- the state API checkpoints use (load_state_dict uses it too) -------------
@@ -172,3 +232,23 @@ class ShardedState:
             total += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
         return total
 
+
+def _late(dp: DataParallelGroup, call: str, missing: list[int], timeout: float) -> str:
+    return (
+        f"fxzero: opt.{call}() on rank {dp.rank} has waited {STATE_DICT_WARNING:g} s for rank(s) {missing} of "
+        f"{dp.size}; it is collective at world size > 1 (every rank calls it). It fails after {timeout:g} s "
+        "(Config.state_dict_timeout)"
+    )
+
+
+def _not_collective(dp: DataParallelGroup, call: str, err: Exception) -> str:
+    if isinstance(err, Mismatch):
+        return f"fxzero: the ranks made different state calls at the same point: rank 0 called opt.{err.first}(){err.others}"
+    return (
+        f"fxzero: opt.{call}() on rank {dp.rank}: rank(s) {err.missing} of {dp.size} did not call it within "  # type: ignore[attr-defined]
+        f"{err.timeout:g} s (Config.state_dict_timeout). At world size > 1 it is collective: every rank calls it "  # type: ignore[attr-defined]
+        "and gets the whole state, then one rank saves it (`state = opt.state_dict()` before "
+        "`if rank == 0: torch.save(state, ...)`), as with FSDP. Or call opt.consolidate_state_dict() on every rank "
+        "first, after which rank 0 alone may call opt.state_dict(); with the Hugging Face Trainer pass "
+        "callbacks=[fxzero.hugging_face.CheckpointCallback()]. fxzero.save_checkpoint saves sharded state for any world size."
+    )

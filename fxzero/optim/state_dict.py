@@ -14,6 +14,7 @@ from .param_table import ParamTable
 from .shards import FragmentTensor
 
 __all__ = [
+    "MASTER_KEY",
     "NOT_HYPERPARAMETERS",
     "STATE_FORMAT",
     "check_state_dict",
@@ -26,6 +27,12 @@ __all__ = [
 ]
 
 STATE_FORMAT = "fxzero.DistributedOptimizer/1"
+"""``rank_state_dict()``'s format: one rank's shard."""
+
+MASTER_KEY = "fxzero_master"
+"""A param's fp32 master values in a whole-state dict, where they are kept apart from the
+params (bf16/fp16 params, the MXFP8 gather): without them a resume would restart the masters
+from the rounded params. torch.optim keeps an unknown per-param key as it is and never reads it."""
 
 
 def check_state_dict(state_dict: Any, dp: DataParallelGroup, layout: list[Any], num_groups: int) -> None:
