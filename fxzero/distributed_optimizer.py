@@ -52,6 +52,8 @@ from . import _torch_compat as compat
 from . import ops
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
+from .optim.added_groups import carry, pending_gradients, restore
+from .optim.group_plan import GroupPlan, plan_groups
 from .optim.binding import GraphBinding, InputBinding, OwnerRef
 from .optim.buffer_sync import BufferSync
 from .optim.buffers import build_buffers, owners_of
@@ -63,11 +65,11 @@ from .optim.grad_views import GradViews, grad_scaler_state
 from .optim.initial_broadcast import broadcast_initial_state
 from .optim.layout_agreement import check_ranks_agree, describe_layout
 from .optim.ledger import Ledger
+from .optim.mesh import local_of
 from .optim.module_no_sync import install_no_sync
-from .optim.mesh import check_mesh_params, local_of
 from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
 from .optim.ownership import Balance, balance
-from .optim.param_table import ParamTable, param_names
+from .optim.param_table import ParamTable
 from .optim.param_watch import ParamWatch
 from .optim.rank_state import RankState
 from .optim.reduced_grads import ReducedGrads
@@ -75,8 +77,7 @@ from .optim.sharded_state import ShardedState
 from .optim.shards import build_shards
 from .optim.step_result import StepResult, warn_no_gradients
 from .optim.state_dict import NOT_HYPERPARAMETERS, hyperparameters
-from .optim.validation import check_group_keys, check_leaves, check_managed_params, check_param_groups_kept
-from .optim.validation import check_optimizer_kwargs, layout_order, resolve_state_sharding
+from .optim.validation import check_leaves, check_param_groups_kept, resolve_state_sharding
 
 __all__ = ["DistributedOptimizer", "StepResult"]
 
@@ -123,40 +124,51 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self.whole_params = resolve_state_sharding(optimizer_class, self.config.state_sharding)
         """Whether each param is owned whole by one rank (``Config.state_sharding``), not split in fragments."""
         self.dp = DataParallelGroup.resolve(process_group, self.config.grad_collective)
+        self.optimizer_class = optimizer_class
+        self._kwargs = dict(defaults)
+        self._module = weakref.ref(module) if isinstance(module, torch.nn.Module) else None
         self._constructing = True
         self._consolidated: Optional[dict[str, Any]] = None
         """The whole state :meth:`consolidate_state_dict` left on this rank; dropped at the next ``step()``."""
         super().__init__(params, defaults={})
         self._constructing = False
-        self._kwargs = dict(defaults)
-        names = param_names(self.param_groups, module)
-        probed = [(_label(names, g, i, p), p) for g, group in enumerate(self.param_groups) for i, p in enumerate(group["params"])]
-        self.defaults = check_optimizer_kwargs(optimizer_class, defaults, probed if self.whole_params else None)
-        check_group_keys(self.param_groups, self.defaults, optimizer_class)
-        for group in self.param_groups:
-            for name, value in self.defaults.items():
-                group.setdefault(name, value)
-        params = check_managed_params(self.param_groups)
-        self.mesh_params = check_mesh_params(params, [label for label, _ in probed], self.dp, whole_params=self.whole_params)
+        self._teardown: list[weakref.finalize] = []
+        planned = self._plan(module)
+        self._agree(planned)
+        self._build(planned, module, first=True)
+
+    # ---- construction -----------------------------------------------------------
+    def _plan(self, module: Optional[torch.nn.Module]) -> GroupPlan:
+        plan = plan_groups(self.param_groups, module, self.optimizer_class, self._kwargs, self.dp, whole_params=self.whole_params, adding_to=self)
+        self.defaults = plan.defaults
+        return plan
+
+    def _agree(self, plan: GroupPlan) -> None:
+        """Every rank lays out the same params (collective; raises on every rank otherwise)."""
+        check_ranks_agree(self.dp, describe_layout(plan.layout, self.param_groups, plan.names, self._settings()), plan.params[0].device)
+
+    def _build(self, planned: GroupPlan, module: Optional[torch.nn.Module], *, first: bool) -> None:
+        """Lay out the buffers and assemble the runtime over ``planned``: at construction
+        (``first``) and again for a param group added later (:meth:`add_param_group`)."""
+        params, layout = planned.params, planned.layout
+        self._consolidated = None  # a state gathered for the layout before an added group
+        self.mesh_params = planned.mesh_params
         """The DTensor params (tensor parallelism) and the mesh dims other than DP they are placed over."""
         if self.mesh_params.dtensor_slots:
             ops.accept_dtensor_params()
-        self.optimizer_class = optimizer_class
-        layout = layout_order(params, module, len(self.param_groups))
-        check_ranks_agree(self.dp, describe_layout(layout, self.param_groups, names, self._settings()), params[0].device)
         # Eager reads can only be made to wait through the module's hooks: no module, no overlap.
         overlap = self.config.overlap_param_gather and module is not None
-        if self.config.overlap_param_gather and module is None and self.dp.size > 1:
+        if self.config.overlap_param_gather and module is None and self.dp.size > 1 and first:
             log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
         self.buffers = build_buffers(layout, self.config, self.dp, whole_params=self.whole_params)
         self.buffer_sync = BufferSync(module, self.dp, self.config.broadcast_buffers)
-        if self.config.init_sync:
-            broadcast_initial_state(self.dp, [b.param_data for b in self.buffers], module, params)
-        else:  # DDP syncs buffers before the first forward even without init_sync
+        if self.config.init_sync:  # later: the new params start from rank 0's values, the others are already alike
+            broadcast_initial_state(self.dp, [b.param_data for b in self.buffers], module if first else None, params)
+        elif first:  # DDP syncs buffers before the first forward even without init_sync
             self.buffer_sync.broadcast()
         self.buckets = tuple(b for buffer in self.buffers for b in buffer.buckets)
         bucket_of = {id(p): b.index for b in self.buckets for p in b.params}
-        self.param_table = ParamTable.build(self.param_groups, names, bucket_of, owners_of(self.buffers))
+        self.param_table = ParamTable.build(self.param_groups, planned.names, bucket_of, owners_of(self.buffers))
         """Every managed param's slot, name, group and bucket: what the other parts look params up in."""
         self.params = self.param_table.params
         self._built_groups = tuple(tuple(group["params"]) for group in self.param_groups)
@@ -165,10 +177,10 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self._build_runtime(overlap)
         if module is not None:
             handles = [*install_param_waits(module, self.param_table, self.param_sync), module.register_forward_pre_hook(refuse_ddp)]
-            weakref.finalize(self, _remove_handles, handles)
-            weakref.finalize(self, install_no_sync(module, self.grad_sync.no_sync))  # Accelerate's and Trainer's accumulation
+            self._teardown.append(weakref.finalize(self, _remove_handles, handles))
+            # Accelerate's and Trainer's accumulation look for model.no_sync
+            self._teardown.append(weakref.finalize(self, install_no_sync(module, self.grad_sync.no_sync)))
 
-    # ---- construction -----------------------------------------------------------
     def _settings(self) -> tuple[Any, ...]:
         """Everything besides the params that shapes the buckets and collectives."""
         c = self.config
@@ -214,10 +226,10 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
                 local = local_of(param)
                 local._fxzero_owner, local._fxzero_slot = OwnerRef(self), slot
         # runs when the optimizer is collected and at interpreter exit: no collective dies mid-flight
-        weakref.finalize(self, _settle_in_flight, self.reductions, self.param_sync)
+        self._teardown.append(weakref.finalize(self, _settle_in_flight, self.reductions, self.param_sync))
         self.grad_sync.install_hooks()
-        weakref.finalize(self, self.grad_sync.remove_hooks)
-        weakref.finalize(self, self.grad_views.remove)
+        self._teardown.append(weakref.finalize(self, self.grad_sync.remove_hooks))
+        self._teardown.append(weakref.finalize(self, self.grad_views.remove))
 
     def _build_gather(self) -> Gather:
         """The one place the gather is chosen: ``optim`` defines the protocol, ``mxfp8`` implements one."""
@@ -232,13 +244,40 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         return self.optimizer_class(local_groups, **self._kwargs)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if not getattr(self, "_constructing", True):
-            raise NotImplementedError(
-                "fxzero.DistributedOptimizer lays out its buffers once; add_param_group after "
-                "construction is not supported. Create a new optimizer with all param groups."
-            )
+        """As torch.optim's, after construction too (LoRA adapters added later, a group of
+        layers unfrozen later): collective, every rank adds the same group between steps.
+        The buffers are laid out anew over every group; each existing param keeps its
+        optimizer state and fp32 master bitwise (:mod:`fxzero.optim.added_groups`), and
+        compiled graphs resolve their params against the new layout at their next call
+        (:mod:`fxzero.optim.binding`)."""
         check_leaves(param_group, len(self.param_groups))
-        super().add_param_group(param_group)
+        if self._constructing:
+            super().add_param_group(param_group)
+            return
+        module = self._module() if self._module is not None else None
+        count, problem, planned = len(self.param_groups), pending_gradients(self.ledger.written or self.grad_views.installed), None
+        try:
+            if problem is None:
+                self.refuse_param_shaped_state("add_param_group after construction")
+                super().add_param_group(param_group)
+                planned = self._plan(module)
+        except (ValueError, TypeError, KeyError, NotImplementedError) as error:
+            problem = str(error)
+        try:
+            self.dp.agree(problem, "add_param_group")
+            self._agree(planned)  # type: ignore[arg-type]
+        except Exception:
+            del self.param_groups[count:]
+            raise
+        self.finish_param_sync()
+        states = [self.fragment_state(f) for f in self.fragments]
+        carried = carry(states, self.param_table, self.fragments, self.shards, self.dp)
+        for teardown in self._teardown:
+            teardown()
+        self._teardown.clear()
+        self._build(planned, module, first=False)  # type: ignore[arg-type]
+        with self.replacing_state():
+            self.load_fragment_states(restore(carried, self.param_table, self.fragments, self.shards))
 
     def bind(self, example_inputs: Sequence[Any]) -> InputBinding:
         """Which of a graph's ``example_inputs`` this optimizer manages, and their buckets:
@@ -390,11 +429,6 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
 
 def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:
     settle(reductions.pending_works() + param_sync.pending_works())
-
-
-def _label(names: dict[int, str], group: int, index: int, param: torch.Tensor) -> str:
-    name = names.get(id(param))
-    return repr(name) if name else f"param_groups[{group}]['params'][{index}]"
 
 
 def _remove_handles(handles: list[Any]) -> None:

@@ -48,11 +48,13 @@ def test_non_leaf_param_is_an_error() -> None:
         fxzero.DistributedOptimizer([leaf, leaf * 2], torch.optim.SGD, lr=0.1)
 
 
-def test_frozen_param_is_an_error_naming_it() -> None:
+def test_bad_param_is_named_by_module_path_when_module_is_given() -> None:
+    """Frozen params are accepted (tests/test_frozen_params.py); a param no optimizer can
+    step is refused, named by its module path although params were passed by position."""
     model = small_model()
-    model[2].bias.requires_grad_(False)
-    with pytest.raises(ValueError, match=r"param '2\.bias' .* requires_grad=False"):
-        fxzero.DistributedOptimizer(model.named_parameters(), torch.optim.SGD, lr=0.1)
+    model.register_parameter("count", torch.nn.Parameter(torch.zeros(2, dtype=torch.long), requires_grad=False))
+    with pytest.raises(ValueError, match=r"param 'count' \(shape \(2,\)\) has dtype torch.int64"):
+        fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model)
 
 
 def test_meta_params_are_refused_naming_the_fix_and_materialized_ones_train() -> None:
@@ -152,10 +154,15 @@ def test_params_put_into_or_taken_out_of_param_groups_fail_the_next_step(change:
         opt.step()
 
 
-def test_add_param_group_after_construction_is_refused() -> None:
+def test_add_param_group_after_construction_adds_a_group() -> None:
+    """As torch.optim's (state kept, schedulers see it: tests/test_frozen_params.py)."""
     opt = fxzero.DistributedOptimizer(small_model().parameters(), torch.optim.SGD, lr=0.1)
-    with pytest.raises(NotImplementedError, match="add_param_group"):
-        opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(2))]})
+    extra = torch.nn.Parameter(torch.zeros(2))
+    opt.add_param_group({"params": [extra], "lr": 0.5})
+    assert [g["lr"] for g in opt.param_groups] == [0.1, 0.5] and opt.param_groups[1]["params"] == [extra]
+    extra.sum().backward()
+    opt.step()
+    assert torch.equal(extra.detach(), torch.full((2,), -0.5))
 
 
 # ---- step semantics (world size 1, no process group) -------------------------------

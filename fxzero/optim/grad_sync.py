@@ -155,9 +155,20 @@ class GradSync:
 
     # ---- eager path -------------------------------------------------------------
     def install_hooks(self) -> None:
-        """Move each autograd gradient into ``main_grad`` as soon as it is accumulated."""
+        """Move each autograd gradient into ``main_grad`` as soon as it is accumulated.
+        A frozen param (``requires_grad=False``) gets its hook too: torch refuses to register
+        one on it, so it is unfrozen for the registration only. The hook lives on the param,
+        so once the user unfreezes it (gradual unfreezing), its gradients are reduced over
+        ranks like every other's (``tests/test_frozen_params.py``)."""
         for slot, param in enumerate(self.params):
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(slot)))
+            frozen = not param.requires_grad
+            if frozen:
+                param.requires_grad_(True)
+            try:
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._make_hook(slot)))
+            finally:
+                if frozen:
+                    param.requires_grad_(False)
 
     def _make_hook(self, slot: int) -> Callable[[torch.nn.Parameter], None]:
         bucket = self.ledger.bucket_of_slot[slot]

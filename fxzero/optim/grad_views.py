@@ -276,6 +276,8 @@ class GradViews:
         self.views = tuple(ShardedGrad(row.param, grads, row.slot, row.label) for row in table.rows)
         self.installed = False
         self._nones: tuple[ShardedGrad | None, ...] = (None,) * len(self.params)
+        self._expected: Sequence[Any] = self.views
+        """The view :meth:`install` put into each ``.grad`` (``None`` for a frozen param: none)."""
         self._explain_failure = explain_failure
         """Raises the clear error when a view no longer fits its param (the model was cast)."""
 
@@ -283,22 +285,24 @@ class GradViews:
         """Backward finished: every managed param's ``.grad`` becomes its view, except a
         gradient assigned by hand before a backward that did not reach its param (kept for
         ``step()``, as torch.optim would use it)."""
-        views = self.views
-        if not all(map(operator.is_, map(_GRAD, self.params), self._nones)):
-            views = tuple(view if p.grad is None else p.grad for p, view in zip(self.params, self.views))
+        views = expected = self.views
+        if not all(map(operator.is_, map(_GRAD, self.params), self._nones)) or not all(map(_REQUIRES_GRAD, self.params)):
+            # a frozen param gets no view: its .grad stays None, as under torch.optim
+            expected = tuple(view if p.requires_grad or p.grad is not None else None for p, view in zip(self.params, self.views))
+            views = tuple(view if p.grad is None else p.grad for p, view in zip(self.params, expected))
         try:
             for param, view in zip(self.params, views):
                 param.grad = view
         except RuntimeError:
             self._explain_failure()
             raise
-        self.installed = True
+        self.installed, self._expected = True, expected
 
     def collect(self) -> tuple[list[int], list[HandGrad]]:
         """Empty every ``.grad`` (the step consumes it); return the params whose view the
         user set to ``None`` (their gradients are dropped) and the gradients assigned by
         hand (:mod:`fxzero.optim.hand_grads`), checked. One C-level scan when there are none."""
-        expected = self.views if self.installed else self._nones
+        expected = self._expected if self.installed else self._nones
         grads = list(map(_GRAD, self.params))
         if all(map(operator.is_, grads, expected)):
             if self.installed:
@@ -334,6 +338,7 @@ class GradViews:
 
 
 _GRAD = operator.attrgetter("grad")
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 
 def grad_scaler_state(optimizer: object) -> tuple[float, bool]:

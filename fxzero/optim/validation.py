@@ -90,19 +90,20 @@ def check_group_keys(groups: Sequence[dict[str, Any]], defaults: dict[str, Any],
                 )
 
 
-def describe_param(group_index: int, index: int, group: dict[str, Any]) -> str:
-    names = group.get("param_names")
+def describe_param(group_index: int, index: int, group: dict[str, Any], names: Optional[dict[int, str]] = None) -> str:
+    """How an error names a param: its module path (``module=``) or ``named_parameters()`` name, else its position."""
     param = group["params"][index]
-    if names:
-        return f"param {names[index]!r} (shape {tuple(param.shape)})"
+    name = (names or {}).get(id(param))
+    if not name and group.get("param_names"):
+        name = group["param_names"][index]
+    if name:
+        return f"param {name!r} (shape {tuple(param.shape)})"
     return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)})"
 
 
-def _check_param(param: torch.Tensor, where: str, device: torch.device) -> None:
+def _check_param(param: torch.Tensor, where: str, device: torch.device, adding_to: object = None) -> None:
     if not param.is_leaf:
         raise ValueError(f"{where} is not a leaf tensor; an optimizer can only own leaf params")
-    if not param.requires_grad:
-        raise ValueError(f"{where} has requires_grad=False; frozen params must not be passed to DistributedOptimizer")
     if not param.is_floating_point():
         raise ValueError(f"{where} has dtype {param.dtype}; only floating-point params can be optimized")
     if param.is_sparse or param.layout != torch.strided:
@@ -116,17 +117,23 @@ def _check_param(param: torch.Tensor, where: str, device: torch.device) -> None:
     if param.device != device:
         raise ValueError(f"{where} is on {param.device} but other params are on {device}; use one device")
     owner = getattr(param, "_fxzero_owner", None)
-    if owner is not None and owner() is not None:
+    if owner is not None and owner() is not None and owner() is not adding_to:
         raise ValueError(f"{where} is already managed by another fxzero.DistributedOptimizer")
 
 
-def check_managed_params(groups: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
-    """Validate every param and return them flat, in group order."""
+def check_managed_params(
+    groups: Sequence[dict[str, Any]], names: Optional[dict[int, str]] = None, adding_to: object = None
+) -> tuple[torch.Tensor, ...]:
+    """Validate every param and return them flat, in group order; errors name a param by
+    ``names`` (``id(param) -> module path``) where it has one. Frozen params
+    (``requires_grad=False``) are managed like the others: they get no gradient, so the
+    step leaves them alone (no state, no weight decay) as torch.optim does, until unfrozen.
+    ``adding_to``: the optimizer a group is added to (its own params are not another's)."""
     params: list[torch.Tensor] = []
     for g, group in enumerate(groups):
         for i, param in enumerate(group["params"]):
             device = params[0].device if params else param.device
-            _check_param(param, describe_param(g, i, group), device)
+            _check_param(param, describe_param(g, i, group, names), device, adding_to)
             params.append(param)
     if len({id(p) for p in params}) != len(params):
         raise ValueError("a param appears more than once in the optimizer's param groups")
