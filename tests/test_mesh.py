@@ -481,7 +481,7 @@ def _state_at_world_1() -> dict[str, Any]:
         opt.step()
 
     step(0)
-    saved, values = copy.deepcopy(opt.state_dict()), [p.detach().clone() for p in model.parameters()]
+    saved, values = copy.deepcopy(opt.rank_state_dict()), [p.detach().clone() for p in model.parameters()]
     step(1)
     after = [p.full_tensor() for p in model.parameters()]
     with torch.no_grad():

@@ -261,6 +261,7 @@ def test_state_dict_on_rank_0_alone_fails_naming_the_fix_and_every_ranks_call_gi
     """No path saves one rank's shard as if it were the optimizer's state."""
     (error, saved), _ = run_ranks(2, _rank_0_alone_saves, timeout=90)
     assert "rank(s) [1] of 2 did not call it within 1 s" in error and "consolidate_state_dict()" in error
+    assert "callbacks=[fxzero.hugging_face.CheckpointCallback()]" in error
     assert "`state = opt.state_dict()` before `if rank == 0: torch.save(state, ...)`" in error
     whole = torch.load(io.BytesIO(saved), weights_only=True)
     model = _model()
@@ -300,3 +301,28 @@ def test_state_dict_hooks_run_as_in_torch_optim_directly_and_through_dcp() -> No
     assert want[:5] == [("save pre", True), ("saved", "from the post-hook"), ("load pre", True, "from the post-hook"),
                         ("load post", True), ("kept", "from the post-hook")]  # fmt: skip
     assert _state_dict_hook_calls(model, _fxzero(model)) == want
+
+
+def test_the_whole_state_dict_carries_the_fp32_masters_of_bf16_params_and_resumes_bitwise() -> None:
+    """Without them a resume would restart the masters from the rounded bf16 params."""
+
+    def build() -> tuple[torch.nn.Module, fxzero.DistributedOptimizer]:
+        model = _model().to(torch.bfloat16)
+        return model, fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, module=model)
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+        for step in steps:
+            model(_batch(step).to(torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+
+    model, opt = build()
+    train(model, opt, range(STEPS))
+    saved, weights = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    assert saved["state"][0]["fxzero_master"].dtype == torch.float32
+    train(model, opt, range(STEPS, 2 * STEPS))
+    resumed, resumed_opt = build()
+    resumed.load_state_dict(weights)
+    resumed_opt.load_state_dict(saved)
+    train(resumed, resumed_opt, range(STEPS, 2 * STEPS))
+    assert all(torch.equal(a.param, b.param) for a, b in zip(opt.fragments, resumed_opt.fragments))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
