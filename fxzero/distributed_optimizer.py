@@ -133,7 +133,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         for group in self.param_groups:
             for name, value in self.defaults.items():
                 group.setdefault(name, value)
-        params = check_managed_params(self.param_groups)
+        params = check_managed_params(self.param_groups, names)
         self.mesh_params = check_mesh_params(params, [label for label, _ in probed], self.dp, whole_params=self.whole_params)
         """The DTensor params (tensor parallelism) and the mesh dims other than DP they are placed over."""
         if self.mesh_params.dtensor_slots:

@@ -90,11 +90,14 @@ def check_group_keys(groups: Sequence[dict[str, Any]], defaults: dict[str, Any],
                 )
 
 
-def describe_param(group_index: int, index: int, group: dict[str, Any]) -> str:
-    names = group.get("param_names")
+def describe_param(group_index: int, index: int, group: dict[str, Any], names: Optional[dict[int, str]] = None) -> str:
+    """How an error names a param: its module path (``module=``) or ``named_parameters()`` name, else its position."""
     param = group["params"][index]
-    if names:
-        return f"param {names[index]!r} (shape {tuple(param.shape)})"
+    name = (names or {}).get(id(param))
+    if not name and group.get("param_names"):
+        name = group["param_names"][index]
+    if name:
+        return f"param {name!r} (shape {tuple(param.shape)})"
     return f"param_groups[{group_index}]['params'][{index}] (shape {tuple(param.shape)})"
 
 
@@ -120,13 +123,14 @@ def _check_param(param: torch.Tensor, where: str, device: torch.device) -> None:
         raise ValueError(f"{where} is already managed by another fxzero.DistributedOptimizer")
 
 
-def check_managed_params(groups: Sequence[dict[str, Any]]) -> tuple[torch.Tensor, ...]:
-    """Validate every param and return them flat, in group order."""
+def check_managed_params(groups: Sequence[dict[str, Any]], names: Optional[dict[int, str]] = None) -> tuple[torch.Tensor, ...]:
+    """Validate every param and return them flat, in group order; errors name a param by
+    ``names`` (``id(param) -> module path``) where it has one."""
     params: list[torch.Tensor] = []
     for g, group in enumerate(groups):
         for i, param in enumerate(group["params"]):
             device = params[0].device if params else param.device
-            _check_param(param, describe_param(g, i, group), device)
+            _check_param(param, describe_param(g, i, group, names), device)
             params.append(param)
     if len({id(p) for p in params}) != len(params):
         raise ValueError("a param appears more than once in the optimizer's param groups")
