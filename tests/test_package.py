@@ -109,7 +109,7 @@ LAYERS = (
     ("dump",),
     ("graph_compiler",),
     ("backend",),
-    ("checkpoint", "testing", "target"),
+    ("checkpoint", "testing", "target", "lightning"),
     ("explainer", "parity"),
     ("cli", "fxzero"),
     ("__main__",),
