@@ -29,7 +29,7 @@ def _import_fxzero(prelude: str = "", then: str = "") -> subprocess.CompletedPro
     )
 
 
-_LOADED_WHEN_USED = ("torch._dynamo", "torch._inductor", "torch.distributed.tensor", "torch.distributed.checkpoint")
+_LOADED_WHEN_USED = ("torch._dynamo", "torch._inductor", "torch.distributed.tensor", "torch.distributed.checkpoint", "lightning")
 
 
 def test_importing_fxzero_prints_nothing_and_loads_what_it_uses_only_when_used() -> None:

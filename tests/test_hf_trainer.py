@@ -84,6 +84,7 @@ def test_a_fxzero_model_inside_ddp_is_refused_naming_the_fix() -> None:
     for message in run_ranks(2, _forward_inside_ddp, timeout=90):
         assert "inside torch.nn.parallel.DistributedDataParallel" in message
         assert "accelerator.prepare(opt, dl)" in message and "model._is_accelerate_prepared = True" in message
+        assert "Trainer(strategy=fxzero.lightning.FxzeroStrategy())" in message
 
 
 @pytest.fixture(scope="module")

@@ -109,7 +109,7 @@ LAYERS = (
     ("dump",),
     ("graph_compiler",),
     ("backend",),
-    ("checkpoint", "testing", "target", "hugging_face"),
+    ("checkpoint", "testing", "target", "hugging_face", "lightning"),
     ("explainer", "parity"),
     ("cli", "fxzero"),
     ("__main__",),

@@ -98,6 +98,24 @@ def _mesh_groups(mesh: DeviceMesh) -> tuple[dist.ProcessGroup, Optional[dist.Pro
     return mesh.get_group(), None
 
 
+def _is_non_member(group: Any) -> bool:
+    """``dist.new_group(ranks)`` returns this int-like sentinel (not a ProcessGroup) on every rank not in ``ranks``."""
+    return isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER
+
+
+def _not_a_member(what: str) -> str:
+    """The error for a group that does not contain this rank. Raised here, on the ranks left out,
+    before any collective. The group's own ranks issue collectives over that group only, so they
+    never wait for these ranks (when these exit, a launcher such as torchrun stops the job)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return (
+        f"fxzero: {what}, so it does not contain this rank (global rank {rank}). Each rank must pass the data-parallel "
+        "group it belongs to: e.g. `group, _ = dist.new_subgroups(group_size)` (every rank gets its own subgroup), "
+        "a DeviceMesh dim such as `mesh['dp']`, or, with dist.new_group, call new_group on every rank for every "
+        "group and pass the one whose ranks include this rank."
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class DataParallelGroup:
     """A process group with its size, this process's rank and the reduce op to average."""
@@ -150,9 +168,13 @@ class DataParallelGroup:
         everywhere else."""
         replicas = None
         if isinstance(group, DeviceMesh):
+            if group.get_coordinate() is None:
+                raise ValueError(_not_a_member(f"process_group is a DeviceMesh over ranks {group.mesh.flatten().tolist()}"))
             group, replicas = _mesh_groups(group)
         if group is None and not (dist.is_available() and dist.is_initialized()):
             return cls(None, 1, 0)
+        if _is_non_member(group):
+            raise ValueError(_not_a_member("process_group is GroupMember.NON_GROUP_MEMBER, what dist.new_group(ranks) returns on the ranks not in ranks"))
         if group is not None and not isinstance(group, dist.ProcessGroup):
             raise TypeError(
                 f"process_group must be a torch.distributed.ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}"
@@ -160,7 +182,7 @@ class DataParallelGroup:
         size = dist.get_world_size(group)
         rank = dist.get_rank(group)
         if rank < 0:
-            raise ValueError("process_group does not contain this process (rank -1)")
+            raise ValueError(_not_a_member(f"process_group has ranks {dist.get_process_group_ranks(group)}"))
         backend = str(dist.get_backend(group))
         if grad_collective == "auto":
             grad_collective = "all_to_all" if backend == "gloo" else "reduce_scatter"

@@ -1,6 +1,7 @@
 """Refuse a model whose params fxzero manages when it runs inside ``DistributedDataParallel``.
 
-HF Trainer and Accelerate wrap the model in DDP under torchrun. DDP would then all-reduce
+HF Trainer and Accelerate wrap the model in DDP under torchrun, and so does Lightning's
+``strategy="ddp"``. DDP would then all-reduce
 every gradient that fxzero already reduce-scatters (three times the gradient traffic, a
 second full-size gradient buffer, and ``find_unused_parameters`` graph walks), and under
 ``torch.compile`` Dynamo splits the graphs fxzero's backend plans at DDP's bucket bounds.
@@ -28,5 +29,7 @@ def refuse_ddp(module: torch.nn.Module, args: Any) -> None:
             "gradients itself, and the model is running inside torch.nn.parallel.DistributedDataParallel, which "
             "would all-reduce them again. Do not wrap it in DDP. With Accelerate, prepare the optimizer and "
             "data loaders but not the model (accelerator.prepare(opt, dl)); with HF Trainer, set "
-            "model._is_accelerate_prepared = True before Trainer(...) (README: 'Hugging Face Trainer and Accelerate')."
+            "model._is_accelerate_prepared = True before Trainer(...) (README: 'Hugging Face Trainer and Accelerate'). "
+            "With Lightning, use Trainer(strategy=fxzero.lightning.FxzeroStrategy()) instead of strategy='ddp', the "
+            "DistributedOptimizer built in configure_optimizers with module=self (README: 'Lightning')."
         )

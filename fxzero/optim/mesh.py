@@ -172,15 +172,18 @@ def check_mesh_params(
         return MeshParams(frozenset(), (), ())
     from torch.distributed.tensor import Shard  # loaded: the params are DTensors
     if dp.replica_count > 1:
+        slot, param = dtensors[0]
         raise NotImplementedError(
-            f"fxzero: param {labels[dtensors[0][0]]} is a DTensor, and hierarchical sharding (a ('replicate', 'shard') "
+            f"fxzero: param {labels[slot]} is a DTensor, and hierarchical sharding (a ('replicate', 'shard') "
             "process_group mesh) is not implemented with DTensor (tensor-parallel) params; pass the data-parallel "
-            "dimension of the mesh as one group, process_group=mesh['dp']"
+            f"ranks as one group: {_dp_fix(param, [p for _, p in dtensors])}"
         )
     dp_ranks = tuple(dist.get_process_group_ranks(dp.group if dp.group is not None else dist.group.WORLD))
     dims: dict[tuple[int, ...], ModelDim] = {}
     sharded: dict[tuple[int, ...], set[int]] = {}
+    placed = [p for _, p in dtensors]
     for slot, param in dtensors:
+        _check_spans(param, labels[slot], dp, dp_ranks, placed)
         for dim, placement in _param_dims(param, labels[slot], dp, dp_ranks, whole_params):
             dims.setdefault(dim.ranks, dim)
             sharded.setdefault(dim.ranks, set())
@@ -197,11 +200,11 @@ def _param_dims(
     from torch.distributed.tensor import Partial, Shard  # loaded: param is a DTensor
 
     mesh, found = param.device_mesh, []
-    names = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+    names = _dim_names(mesh)
     for d, placement in enumerate(param.placements):
         group = mesh.get_group(d)
         ranks = tuple(dist.get_process_group_ranks(group))
-        where = f"param {label} (a DTensor placed {tuple(param.placements)} on mesh dims {tuple(names)})"
+        where = f"param {label} ({_placed(param)})"
         if isinstance(placement, Partial):
             raise ValueError(
                 f"fxzero: {where} is {placement!r} over mesh dim {names[d]!r}: its local tensor is a partial sum, not "
@@ -217,12 +220,6 @@ def _param_dims(
                     "the data-parallel dim (fxzero shards their optimizer state over it)."
                 )
             continue
-        if set(ranks) & set(dp_ranks) != {dist.get_rank()}:
-            raise ValueError(
-                f"fxzero: process_group (ranks {list(dp_ranks)}) spans mesh dim {names[d]!r} (ranks {list(ranks)}) "
-                f"that {where} is placed over: its gradient reductions would mix different slices. Pass the "
-                "data-parallel dimension of the mesh, process_group=mesh['dp']."
-            )
         if whole_params and isinstance(placement, Shard):
             raise ValueError(
                 f"fxzero: {where} is {placement!r} over mesh dim {names[d]!r}, and this optimizer owns each param "
@@ -233,3 +230,72 @@ def _param_dims(
             )
         found.append((ModelDim(group, ranks, mesh.get_local_rank(d), names[d]), placement))
     return found
+
+
+def _dim_names(mesh: object) -> tuple[str, ...]:
+    return mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))  # type: ignore[attr-defined]
+
+
+def _placed(param: DTensor) -> str:
+    """``a DTensor on mesh dims ('edp', 'ep'), Replicate() over 'edp' and Shard(dim=0) over 'ep'``."""
+    names = _dim_names(param.device_mesh)
+    each = " and ".join(f"{p!r} over {n!r}" for p, n in zip(param.placements, names))
+    return f"a DTensor on mesh dims {names}, {each}"
+
+
+def _overlaps(param: DTensor, dp: DataParallelGroup, dp_ranks: tuple[int, ...]) -> list[int]:
+    """Mesh dims of ``param`` (of size > 1, other than the DP group itself) that share ranks
+    besides this one with the DP group: fxzero would reduce over them as if data-parallel."""
+    mesh, found = param.device_mesh, []
+    for d in range(mesh.ndim):
+        group = mesh.get_group(d)
+        ranks = tuple(dist.get_process_group_ranks(group))
+        if len(ranks) > 1 and group is not dp.group and ranks != dp_ranks and set(ranks) & set(dp_ranks) != {dist.get_rank()}:
+            found.append(d)
+    return found
+
+
+def _check_spans(param: DTensor, label: str, dp: DataParallelGroup, dp_ranks: tuple[int, ...], dtensors: Sequence[DTensor]) -> None:
+    """Refuse a ``process_group`` that spans a mesh dim ``param`` is placed over, naming that dim
+    (a ``Shard`` one first: the one whose slices would be averaged) and the dim to pass instead."""
+    from torch.distributed.tensor import Shard  # loaded: param is a DTensor
+
+    overlaps = _overlaps(param, dp, dp_ranks)
+    if not overlaps:
+        return
+    d = next((d for d in overlaps if isinstance(param.placements[d], Shard)), overlaps[0])
+    mesh, placement = param.device_mesh, param.placements[d]
+    name, ranks = _dim_names(mesh)[d], dist.get_process_group_ranks(mesh.get_group(d))
+    why = (
+        "its local tensors there are different slices, which its gradient reductions would average"
+        if isinstance(placement, Shard)
+        else "fxzero reduces over one data-parallel dim and leaves every other mesh dim to the model"
+    )
+    fix = _dp_fix(param, dtensors)
+    raise ValueError(
+        f"fxzero: process_group (ranks {list(dp_ranks)}) spans mesh dim {name!r} (ranks {list(ranks)}), and param "
+        f"{label} is {placement!r} over it ({_placed(param)}): {why}. Give this optimizer the params' data-parallel "
+        f"dim only, {fix}; or, where its other params are data-parallel over all of process_group's ranks (dense "
+        f"params next to experts), give {label} and the params placed like it a second DistributedOptimizer with "
+        "that process_group (experts also need Config(gradient_divide_factor=...): README 'Expert-parallel params (MoE)')."
+    )
+
+
+def _dp_fix(param: DTensor, dtensors: Sequence[DTensor]) -> str:
+    """``process_group=mesh['edp']``: the dims of ``param``'s mesh (size > 1) over which every
+    DTensor param on that mesh is ``Replicate``: where data parallelism can be."""
+    from torch.distributed.tensor import Replicate  # loaded: param is a DTensor
+
+    mesh = param.device_mesh
+    same = [p for p in dtensors if p.device_mesh == mesh]
+    dims = [d for d in range(mesh.ndim) if mesh.size(d) > 1 and all(isinstance(p.placements[d], Replicate) for p in same)]
+    if len(dims) == 1 and mesh.mesh_dim_names:
+        return f"process_group=mesh[{mesh.mesh_dim_names[dims[0]]!r}]"
+    if dims == [0] and mesh.ndim == 1:
+        return "process_group=<the params' 1-D DeviceMesh>"
+    if len(dims) == 1:
+        return f"process_group=mesh.get_group({dims[0]})"
+    names = _dim_names(mesh)
+    if dims:
+        return f"process_group=one group over the ranks of mesh dims {tuple(names[d] for d in dims)}"
+    return f"process_group=mesh['dp'] where mesh is the DeviceMesh that dims {names} belong to and 'dp' its data-parallel dim"
