@@ -13,11 +13,10 @@ what DDP's wrapper did for the loop, fxzero's optimizer does:
   ``strategy.block_backward_sync()``, which under DDP is ``model.no_sync()``; here it is each
   DistributedOptimizer's :meth:`~fxzero.DistributedOptimizer.no_sync`;
 * checkpoints (``trainer.save_checkpoint``, ``ModelCheckpoint``): Lightning asks
-  ``strategy.optimizer_state(opt)`` on every rank and writes what rank 0 got. The optimizer's
-  own ``consolidate_state_dict()`` is used where it has one (Lightning's path for sharded
-  optimizers: it calls it on every rank, then ``state_dict()`` on rank 0 only); otherwise the
-  whole state comes from :meth:`~fxzero.DistributedOptimizer.consolidated_state_dict`
-  (collective), never one rank's shard. Resuming loads it on every rank
+  ``strategy.optimizer_state(opt)`` on every rank and writes what rank 0 got: Lightning's path
+  for sharded optimizers calls :meth:`~fxzero.DistributedOptimizer.consolidate_state_dict` on
+  every rank, then ``state_dict()`` on rank 0 only, which returns the whole state, never one
+  rank's shard. Resuming loads it on every rank
   (``load_state_dict`` of a whole plain state: each rank takes its shard).
 
 Importing :mod:`fxzero` does not import this module, nor Lightning.
@@ -91,11 +90,3 @@ class FxzeroStrategy(DDPStrategy):
         for opt in self._fxzero_optimizers():
             opt.finish_param_sync()
         return super().lightning_module_state_dict()
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """The whole optimizer state on rank 0 (``{}`` elsewhere); called on every rank."""
-        opt = _unwrap(optimizer)
-        if isinstance(opt, DistributedOptimizer) and not hasattr(opt, "consolidate_state_dict"):
-            state = opt.consolidated_state_dict()  # collective: Lightning calls this on every rank
-            return state if self.is_global_zero else {}
-        return super().optimizer_state(optimizer)
