@@ -40,7 +40,6 @@ _CHANGES = {
     "double": (lambda m: m.double(), "0.weight"),
     "half": (lambda m: m.half(), "0.weight"),
     "to-bf16": (lambda m: m.to(torch.bfloat16), "0.weight"),
-    "param.data=": (lambda m: setattr(m[2].bias, "data", torch.zeros(4)), "2.bias"),
 }
 
 
@@ -59,6 +58,8 @@ _WRITES = {
     "load_state_dict": lambda model, pretrained: model.load_state_dict(pretrained),
     "p.data.copy_": lambda model, pretrained: [p.data.copy_(pretrained[n]) for n, p in model.named_parameters()],
     "nn.init": lambda model, pretrained: [torch.nn.init.constant_(p, 0.25) for p in model.parameters()],
+    # a tensor of the param's dtype, device and shape: taken in, as torch.optim trains whatever .data holds
+    "param.data=": lambda model, pretrained: [setattr(p, "data", pretrained[n].clone()) for n, p in model.named_parameters()],
 }
 
 
