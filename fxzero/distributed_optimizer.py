@@ -60,6 +60,7 @@ from .optim.buffers import build_buffers, owners_of
 from .optim.comm import DataParallelGroup, settle
 from .optim.ddp_guard import refuse_ddp
 from .optim.flat_update import FlatUpdate
+from .optim.full_grads import gather_full_grads
 from .optim.grad_sync import GradReductions, GradSync
 from .optim.grad_views import GradViews, grad_scaler_state
 from .optim.initial_broadcast import broadcast_initial_state
@@ -211,12 +212,12 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         """Runs of adjacent fragments step as one tensor where that gives the same bits (:mod:`fxzero.optim.flat_update`)."""
         self._rank_state = RankState(table, self.fragments, self.local)
         mesh_norms = self.mesh_params.norms(len(self.params), self.params[0].device)
-        self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp, mesh_norms)
+        self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp, mesh_norms, self.param_sync.take_written)
         self.param_watch = ParamWatch(table, self.shards, self.gather, dp.rank, self.ledger.compiled, adopt_copies=not overlap)
-        self.grad_views = GradViews(table, self.reduced, self.param_watch.check)
+        self.grad_views = GradViews(table, self.reduced, self.param_watch.check, reset=_weakly(self.zero_grad))
         self.grad_sync = GradSync(
             self.params, self.ledger, self.reductions, before_grad_write=before_grad_write, after_backward=self.grad_views.install,
-            local_grads=self.mesh_params.dtensor_slots,
+            reset_if_cleared=self.grad_views.reset_if_cleared, local_grads=self.mesh_params.dtensor_slots,
         )
         self.binding = GraphBinding(table, self.ledger, self.grad_sync, self.param_sync)
         """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
@@ -378,9 +379,23 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the flat grad buffers (``main_grad``); a no-op after ``step()``, which
         consumed them. Managed params' ``.grad`` becomes ``None`` either way (between
-        backward and step it is a view of the sharded gradient, never a tensor of its own)."""
+        backward and step it is a view of the sharded gradient, never a tensor of its own).
+        With ``set_to_none=False`` every param holds a zero gradient until the next
+        ``step()``, as in torch.optim: a step with no backward, or params a backward does
+        not reach, still get weight decay and momentum."""
         self.grad_views.clear()
         self._zero_grads()
+        if not set_to_none:
+            self.ledger.all_present()
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Every managed param's whole averaged gradient by name (module path with
+        ``module=``), between backward and :meth:`step`, for logging (``.abs()``,
+        ``torch.histc``, TensorBoard histograms): what ``p.grad`` holds under DDP, with
+        clipping and unscaling applied so far; params without a gradient are left out. A
+        collective (one all-gather per bucket): call it on every rank. Fresh fp32 tensors,
+        one copy of the gradients; the step is not changed (:mod:`fxzero.optim.full_grads`)."""
+        return gather_full_grads(self.param_table, self.grad_views, self.reduced, self.dp)
 
     def _zero_grads(self) -> None:
         self.reductions.finish_launched()
@@ -412,7 +427,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         rank's row when it reuses the grad buffer) and the scratch that checks bf16/fp16 or
         MXFP8 params for values written outside the optimizer."""
         exchange = self.reductions.exchange.nbytes if self.reductions.exchange is not None else 0
-        return sum(b.nbytes for b in self.buffers) + exchange + self.gather.nbytes + self.param_watch.nbytes
+        return sum(b.nbytes for b in self.buffers) + exchange + self.gather.nbytes + self.param_watch.nbytes + self.param_sync.nbytes
 
     @property
     def collectives_per_step(self) -> dict[str, int]:
@@ -429,6 +444,18 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
 
 def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:
     settle(reductions.pending_works() + param_sync.pending_works())
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference to its object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
 
 
 def _remove_handles(handles: list[Any]) -> None:

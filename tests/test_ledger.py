@@ -114,3 +114,40 @@ def test_start_step_and_zeroed_reset_what_they_name() -> None:
     assert book.launched == (False, False, False) and bytes(book.presence) == bytes(4) and book.written
     book.zeroed()
     assert not book.written
+
+
+def test_a_second_backward_through_a_retained_graph_counts_its_gradients_again() -> None:
+    """A2C: one compiled forward, the actor loss's backward (retain_graph) under no_sync, then the
+    critic loss's through the same graph: the second backward delivers the forward's gradients
+    again, so each bucket waits for all of them (it once launched at the first, then raised LateGradient)."""
+    book, engine = ledger()
+    book.compiled_graph([0, 1, 2])
+    book.end_of_backward(), book.start_step()
+    node = Node()
+    book.forward_ran([(0, 2), (1, 1)], node)
+    engine.runs = {node}
+    engine.task, book.accumulating = 1, True
+    assert book.compiled_grads(1, 1, [2]) is None and book.compiled_grads(0, 2, [0, 1]) is None
+    book.accumulating = False
+    engine.task = 2
+    assert book.compiled_grads(1, 1, [2]) == range(0)  # bucket 0 still waits for its two
+    assert book.pending(0) == 2
+    assert book.compiled_grads(0, 2, [0, 1]) == range(0, 2)
+    book.start_step()
+    assert book.pending(0) == 0 and book.pending(1) == 0  # consumed: not expected again
+
+
+def test_a_forward_run_by_a_backward_is_not_taken_out_by_a_reentrant_one_inside_it() -> None:
+    """Reentrant checkpointing runs a backward (another task) inside the backward: the outer
+    forward, half delivered, keeps its remaining counts."""
+    book, engine = ledger()
+    book.compiled_graph([0, 1])
+    book.end_of_backward(), book.start_step()
+    node = Node()
+    book.forward_ran([(0, 2)], node)
+    engine.task, engine.runs = 1, {node}
+    assert book.compiled_grads(0, 1, [0]) == range(0)
+    engine.task, engine.runs = 2, set()  # the inner backward: an eager gradient of bucket 2
+    assert book.eager_grad(3) == range(0)
+    engine.task, engine.runs = 1, {node}  # back in the outer one
+    assert book.compiled_grads(0, 1, [1]) == range(0, 1)

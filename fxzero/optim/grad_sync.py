@@ -16,8 +16,12 @@ launches whatever is left. On gloo the reduction is a chunked all-to-all
 move on.
 
 Callbacks are given at construction: ``before_grad_write(bucket)`` (the MXFP8 gather that
-reuses the grad buffer lands a bucket before its grad memory is written or reduced) and
-``after_backward()`` (the optimizer's grad views). The per-step path does no slicing and
+reuses the grad buffer lands a bucket before its grad memory is written or reduced),
+``after_backward()`` (the optimizer's grad views) and ``reset_if_cleared()``: a gradient
+for a bucket that already launched this step is late, unless every gradient of the last
+backward was cleared since (``model.zero_grad()``, as DCGAN's loop calls it on D after G's
+backward filled D's gradients); then that callback resets the step as ``opt.zero_grad()``
+does, before the gradient is written. The check is one comparison per gradient. The per-step path does no slicing and
 no allocation: shard views come from the buckets, counters are preallocated.
 """
 
@@ -143,12 +147,14 @@ class GradSync:
         *,
         before_grad_write: Optional[Callable[[int], None]] = None,
         after_backward: Optional[Callable[[], None]] = None,
+        reset_if_cleared: Optional[Callable[[int], bool]] = None,
         local_grads: frozenset[int] = frozenset(),
     ) -> None:
         self.params, self.ledger, self.reductions = tuple(params), ledger, reductions
         self._local_grads = local_grads
         """Slots of DTensor params: their gradient's local tensor goes into ``main_grad`` (:mod:`~fxzero.optim.mesh`)."""
         self._before_grad_write, self._after_backward = before_grad_write, after_backward
+        self._reset_if_cleared = reset_if_cleared
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         self._ones = memoryview(b"\x01" * len(self.params))  # sliced without a copy
@@ -175,11 +181,14 @@ class GradSync:
         local = MeshParams.local_grad if slot in self._local_grads else None
 
         def hook(param: torch.nn.Parameter) -> None:
-            if param.grad is None:  # a compiled graph returned None: its op reported it
+            grad = param.grad
+            if grad is None:  # a compiled graph returned None: its op reported it
                 return
+            if self.ledger.has_launched(bucket):
+                self._late(bucket, slot)
             if self._before_grad_write is not None:
                 self._before_grad_write(bucket)
-            param.main_grad.add_(param.grad if local is None else local(param, param.grad))
+            param.main_grad.add_(grad if local is None else local(param, grad))
             param.grad = None
             self._launch(self.ledger.eager_grad(slot))
 
@@ -196,6 +205,8 @@ class GradSync:
     ) -> None:
         """Add a compiled backward's ``grads`` of params ``slots`` (all in ``bucket``;
         ``span`` when they are consecutive) into their ``main_grads`` and report them."""
+        if self.ledger.has_launched(bucket):
+            self._late(bucket, int(slots[0]))
         if self._before_grad_write is not None:
             self._before_grad_write(bucket)
         foreach_add_(main_grads, grads)
@@ -204,6 +215,12 @@ class GradSync:
         else:
             self.ledger.presence_tensor.index_fill_(0, slots, 1)
         self._launch(self.ledger.compiled_grads(bucket, len(main_grads), slots))
+
+    def _late(self, bucket: int, slot: int) -> None:
+        """A gradient for a launched bucket: the step starts over if the last backward's
+        gradients were all cleared since (``model.zero_grad()``); else :class:`LateGradient`."""
+        if self._reset_if_cleared is None or not self._reset_if_cleared(slot):
+            self.ledger.check_open(bucket, slot)
 
     # ---- launches ---------------------------------------------------------------
     def _launch(self, ready: Optional[range]) -> None:

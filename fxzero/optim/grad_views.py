@@ -19,8 +19,15 @@ shards of every rank:
   reports inf/NaN found on any rank.
 
 Anything else raises an error that names the param and says what is supported,
-rather than silently reading nothing. ``step()`` and ``zero_grad()`` take the views
+rather than silently reading nothing; to read the whole gradient (``p.grad.abs()``,
+``torch.histc``, TensorBoard histograms) the error points to
+:meth:`~fxzero.DistributedOptimizer.full_grads`, which gathers it (:mod:`fxzero.optim.full_grads`). ``step()`` and ``zero_grad()`` take the views
 back (``p.grad`` is ``None`` again), so a next backward never accumulates into one.
+``model.zero_grad()`` before a next backward (DCGAN zeroes D after G's backward filled
+D's gradients) does what ``opt.zero_grad()`` does: a gradient reaching a bucket that
+already launched finds every view dropped or zeroed and starts the step over
+(:meth:`GradViews.reset_if_cleared`); with ``set_to_none=False`` autograd adds the new
+gradient into the zeroed view, which hands it on in place of itself.
 
 A tensor assigned to ``p.grad`` instead (before or after a backward) is a gradient made
 by hand: ``step()`` uses it as is, **not averaged over ranks**, as DDP does
@@ -34,7 +41,7 @@ from __future__ import annotations
 import math
 import operator
 import weakref
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -55,6 +62,7 @@ class ShardedGrad(torch.Tensor):
     """A managed param's averaged gradient, living sharded in the optimizer's buffers."""
 
     _grads: "weakref.ref[ReducedGrads]"
+    _views: "weakref.ref[GradViews]"
     _slot: int
     _name: str
 
@@ -82,22 +90,36 @@ class ShardedGrad(torch.Tensor):
         if handler is None:
             raise RuntimeError(
                 f"fxzero: {_first_view(args)._label()}: {getattr(func, '__name__', func)} is not supported on it. "
-                f"Supported: {_SUPPORTED}."
+                f"Supported: {_SUPPORTED}. To read whole gradients (p.grad.abs(), torch.histc, TensorBoard "
+                "histograms), call `optimizer.full_grads()` on every rank between backward and step(): it returns "
+                "each param's averaged gradient by name."
             )
         return handler(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: Sequence[Any] = (), kwargs: Any = None) -> Any:
+        if func is _ACCUMULATE and not kwargs and isinstance(args[0], ShardedGrad) and args[0]._handed_on(args[1]):
+            return args[0]
         # reached from C++ (autograd accumulating a new gradient into p.grad: the previous
         # one was neither stepped on nor zeroed) or by a view property such as p.grad.T
         raise RuntimeError(
             f"fxzero: {_first_view(args)._label()}: {func} cannot run on it. If a backward accumulated into it, "
-            "call optimizer.step() or zero_grad() between backwards, or run every backward but the last of a "
-            f"step inside `optimizer.no_sync()`. Supported: {_SUPPORTED}."
+            "call optimizer.step() or zero_grad() (or model.zero_grad() over every param of the optimizer) between "
+            f"backwards, or run every backward but the last of a step inside `optimizer.no_sync()`. Supported: {_SUPPORTED}."
         )
 
     def _label(self) -> str:
         return f"p.grad of param {self._name!r} is fxzero's view of a gradient sharded over ranks"
+
+    def _handed_on(self, new: torch.Tensor) -> bool:
+        """Autograd adds a new gradient into this view (``model.zero_grad(set_to_none=False)``
+        zeroed it): if every view was dropped or zeroed, the step starts over and the param's
+        ``.grad`` becomes ``new``, which its post-accumulate hook then moves into the buffer."""
+        views = self._views()
+        if views is None or not self._owner().zeroed[self._slot] or not views.reset_if_cleared():
+            return False
+        views.params[self._slot].grad = new
+        return True
 
     def _owner(self) -> ReducedGrads:
         grads = self._grads()
@@ -114,6 +136,8 @@ _METADATA = frozenset(
     )
 )  # fmt: skip
 _DATA = torch.Tensor.data.__get__
+_ACCUMULATE = torch.ops.aten.add_.Tensor
+"""What autograd's AccumulateGrad runs on a ``.grad`` it adds a new gradient into."""
 
 
 def _first_view(items: Any) -> ShardedGrad:
@@ -270,10 +294,19 @@ class GradViews:
     """One :class:`ShardedGrad` per managed param, put into and taken out of ``p.grad``."""
 
     def __init__(
-        self, table: ParamTable, grads: ReducedGrads, explain_failure: Callable[[], None]
+        self,
+        table: ParamTable,
+        grads: ReducedGrads,
+        explain_failure: Callable[[], None],
+        reset: Optional[Callable[[], None]] = None,
     ) -> None:
         self.params = table.params
         self.views = tuple(ShardedGrad(row.param, grads, row.slot, row.label) for row in table.rows)
+        for view in self.views:
+            view._views = weakref.ref(self)
+        self._grads = grads
+        self._reset = reset
+        """What ``opt.zero_grad()`` does (held weakly by the caller: views must not keep the optimizer alive)."""
         self.installed = False
         self._nones: tuple[ShardedGrad | None, ...] = (None,) * len(self.params)
         self._expected: Sequence[Any] = self.views
@@ -317,6 +350,20 @@ class GradViews:
                 hand.append(HandGrad(slot, grad))
         self._empty()
         return dropped, hand
+
+    def reset_if_cleared(self, arriving: int = -1) -> bool:
+        """A gradient reached a bucket that launched this step (param ``arriving``'s, whose
+        ``.grad`` autograd just set). If the last backward's views were all dropped or zeroed
+        since (``model.zero_grad()``), start the step over as ``opt.zero_grad()`` does and
+        return True; else False (the gradient is late)."""
+        if not self.installed or self._reset is None:
+            return False
+        zeroed = self._grads.zeroed
+        for slot, (grad, view) in enumerate(zip(map(_GRAD, self.params), self.views)):
+            if grad is not None and not (grad is view and zeroed[slot]) and slot != arriving:
+                return False
+        self._reset()
+        return True
 
     def clear(self) -> None:
         """Gradients were zeroed: every ``.grad`` -> ``None`` (views and gradients assigned by

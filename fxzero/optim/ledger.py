@@ -24,8 +24,11 @@ grad enabled) would leave its counts behind, and each bucket it read would wait 
 of the next backward: the overlap silently lost. So each forward's counts stay tied to its
 autograd node; at the first gradient of every backward exactly the recorded forwards that
 this backward executes are counted and the others taken out (put back if a later backward
-runs them). Forwards whose graph was freed are forgotten. Counts survive
-:meth:`start_step`: a forward's backward may come after ``zero_grad()`` or ``step()``.
+runs them). A forward's backward may run more than once (``retain_graph=True``: an actor
+loss's backward under ``no_sync()``, then a critic loss's through the same graph): each
+backward that executes it counts its gradients again, since the earlier one consumed them.
+Forwards whose graph was freed are forgotten. Counts survive :meth:`start_step`: a forward's
+backward may come after ``zero_grad()`` or ``step()``.
 
 The autograd engine is reached through an :class:`Engine` given at construction, so the
 ledger is tested with a fake one, without autograd or a process group
@@ -81,6 +84,9 @@ class _Forward:
     counts: Sequence[tuple[int, int]]
     """``(bucket, gradients)`` its backward delivers."""
     counted: bool = True
+    """Its counts are in the pending counts and not yet delivered."""
+    task: int = -1
+    """The backward that last executed it (its gradients consumed its counts); -1 before any."""
 
 
 class Ledger:
@@ -176,17 +182,32 @@ class Ledger:
         self._pending[:] = self._baseline
         self._forwards = [f for f in self._forwards if f.node() is not None]
         for forward in self._forwards:
-            if forward.counted:
+            if forward.task != -1:  # a backward ran it: what it delivered was this step's
+                forward.counted = False
+            elif forward.counted:
                 self._adjust(forward.counts, 1)
         self._next = 0
         self._seen[:] = self._zeros
         self.presence[:] = self._zeros
+
+    def all_present(self) -> None:
+        """Every param holds a (zero) gradient this step: ``zero_grad(set_to_none=False)``."""
+        self.presence[:] = b"\x01" * len(self.presence)
 
     def zeroed(self) -> None:
         """The grad buffers were zeroed."""
         self.written = False
 
     # ---- out ----------------------------------------------------------------------
+    def has_launched(self, bucket: int) -> bool:
+        """Whether ``bucket`` launched this step: a gradient for it now is late (or follows
+        a ``model.zero_grad()`` the caller resets the step for)."""
+        return bucket < self._next
+
+    def check_open(self, bucket: int, slot: int) -> None:
+        """Raise :class:`LateGradient` naming param ``slot`` if ``bucket`` launched this step."""
+        self._check_open(bucket, slot)
+
     @property
     def launched(self) -> tuple[bool, ...]:
         return tuple(index < self._next for index in range(self.num_buckets))
@@ -210,27 +231,34 @@ class Ledger:
             raise LateGradient(
                 f"fxzero: param {self._label(slot)} received a gradient after bucket {bucket} was already "
                 "reduce-scattered in this step. Run every backward but the last inside `optimizer.no_sync()`, "
-                "or call `optimizer.step()`/`zero_grad()` between backwards."
+                "or call `optimizer.step()`/`zero_grad()` (or `model.zero_grad()` over every param of this "
+                "optimizer) between backwards."
             )
 
     def _arrived(self) -> None:
         """Every gradient: at the first of a backward, count exactly the forwards this
-        backward executes and forget them (they deliver now)."""
+        backward executes (again, for one an earlier backward ran with ``retain_graph``)
+        and take the others out."""
         self.written = True
         task = self._engine.task_id()
         if task == self._task or task == -1:
             return
         self._task = task
-        waiting = []
+        live = []
         for forward in self._forwards:
             node = forward.node()
             runs = node is not None and self._engine.will_execute(node)
-            if runs != forward.counted:
-                self._adjust(forward.counts, 1 if runs else -1)
-                forward.counted = runs
-            if node is not None and not runs:
-                waiting.append(forward)
-        self._forwards = waiting
+            if runs and forward.task not in (-1, task):  # run again: the earlier backward consumed its counts
+                forward.counted = False
+            if forward.task == -1 or runs:  # one a backward ran keeps its counts consumed, not taken out
+                if runs != forward.counted:
+                    self._adjust(forward.counts, 1 if runs else -1)
+                    forward.counted = runs
+            if runs:
+                forward.task = task
+            if node is not None:
+                live.append(forward)
+        self._forwards = live
 
     def _adjust(self, counts: Sequence[tuple[int, int]], sign: int) -> None:
         for bucket, count in counts:

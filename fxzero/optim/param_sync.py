@@ -13,6 +13,18 @@ returns; the next forward waits for each bucket immediately before its first rea
   so does ``load_state_dict()``, so a gather still in flight never lands over values
   it just loaded.
 
+**Writes while the gathers are in flight** (between ``step()`` and the first wait: WGAN's
+``p.data.clamp_``, an EMA's ``copy_to``/``restore``) race with the gathers, which land
+over them or send values from before them, so ranks end up holding different params. No
+hook sees a write through ``p.data`` (its version counter is its own), so the first wait
+after ``step()`` compares this rank's own shard of every bucket with a copy taken when the
+gathers launched (one copy and one comparison of 1/dp of the params per step, with overlap
+on only): a param write on every rank, as these loops do, changes each owner's shard. The
+finding rides on the next step's all-reduce of gradient statistics
+(:class:`~fxzero.optim.reduced_grads.ReducedGrads`), so every rank raises the same error,
+naming the fix (``opt.finish_param_sync()`` before writing), before any update. No
+collective at the wait itself: a read on one rank alone must complete (see below).
+
 **Why launch them all in the step.** A read on one rank only (rank 0 saving
 ``model.state_dict()``, a rank-0 eval) waits for gathers; if some were still to be launched
 by the next forward, rank 0 would wait for peers that are blocked in whatever collective
@@ -47,7 +59,7 @@ from .buffers import Bucket
 from .comm import DataParallelGroup
 from .param_table import ParamTable
 
-__all__ = ["Gather", "ParamSync", "PlainGather", "install_param_waits"]
+__all__ = ["Gather", "ParamSync", "PlainGather", "as_words", "install_param_waits", "written_in_flight"]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -143,6 +155,13 @@ class ParamSync:
         self._params = tuple(p for b in self.buckets for p in b.params)
         self._launched_versions: Optional[list[int]] = None
         """The params' version counters right after step() launched the gathers (see _check_untouched)."""
+        own = [b.param_shards[dp.rank] for b in self.buckets]
+        self._launched_values = [torch.empty_like(o) for o in own] if overlap else []
+        """Each bucket's own shard as the gathers launched (overlap on): what a write is found against."""
+        self._words = [(as_words(c), as_words(o)) for c, o in zip(self._launched_values, own)]
+        self._copying = False
+        self.written: list[int] = []
+        """Buckets whose own shard was written while the gathers were in flight, until :meth:`take_written`."""
 
     def start(self) -> None:
         """The step updated every shard: gather them (launch all, or launch all and wait)."""
@@ -155,6 +174,9 @@ class ParamSync:
         # Under torch.profiler the gathers finish inside the step: a profiler that stops
         # while gloo work started under it is in flight crashed the next wait (torch 2.13).
         if self.overlap and not profiler_enabled():
+            for copy, own in self._words:
+                copy.copy_(own)
+            self._copying = True
             self._launch_through(len(self.order) - 1)
             self._launched_versions = list(map(_VERSION, self._params))
         else:
@@ -176,6 +198,8 @@ class ParamSync:
         overlap the compute that reads it, the next one, if not launched yet)."""
         if not self._stale[index]:
             return
+        if self._copying:
+            self._find_writes()
         if self._launched_versions is not None:
             self._check_untouched()
         self._launch_through(self._position[index] + 1)
@@ -192,7 +216,7 @@ class ParamSync:
         since the step launched the gathers (every bucket was pending then, and its gather or
         landing overwrites such a write). Later writes are not checked (a landed bucket may be
         written). One C-level pass over the params' version counters; writes through
-        ``p.data`` (a counter of its own) are not seen."""
+        ``p.data`` (a counter of its own) are found by value instead (:meth:`_find_writes`)."""
         launched, self._launched_versions = self._launched_versions, None
         if launched != list(map(_VERSION, self._params)):
             raise RuntimeError(
@@ -200,6 +224,28 @@ class ParamSync:
                 "were in flight (Config.overlap_param_gather=True): the gather would overwrite the write. Call "
                 "opt.finish_param_sync() after step() before writing params, or set overlap_param_gather=False."
             )
+
+    def _find_writes(self) -> None:
+        """The first wait after ``step()``: note the buckets whose own shard differs from the
+        copy taken at launch (written, through ``p.data`` too, while the gathers were in flight)."""
+        self._copying = False
+        for index, (launched, own) in enumerate(self._words):
+            if not torch.equal(launched, own) and index not in self.written:
+                self.written.append(index)
+                log.warning("bucket %d was written while its all-gather was in flight (params: %s)", index, self._described[index])
+
+    def take_written(self) -> Optional[str]:
+        """What this rank found written while the gathers were in flight since the last call
+        (the error message's detail), or ``None``; forgets it."""
+        if not self.written:
+            return None
+        found, self.written = self.written, []
+        return "; ".join(f"bucket {index} ({self._described[index]})" for index in found)
+
+    @property
+    def nbytes(self) -> int:
+        """The copy of this rank's shards kept to find writes while the gathers are in flight."""
+        return sum(t.nbytes for t in self._launched_values)
 
     def wait_many(self, indices: Sequence[int]) -> None:
         for index in indices:
@@ -230,6 +276,29 @@ class ParamSync:
     def pending(self) -> tuple[bool, ...]:
         """Which buckets still hold values older than the last step."""
         return tuple(self._stale)
+
+
+def written_in_flight(detail: Optional[str], ranks: int) -> RuntimeError:
+    """The error every rank raises when ``ranks`` ranks found params written while the gathers
+    were in flight (:meth:`ParamSync.take_written`; ``detail``: this rank's finding)."""
+    where = f"this rank found it in {detail}" if detail else f"{ranks} other rank(s) found it"
+    return RuntimeError(
+        "fxzero: managed params were written after step() while the all-gathers that step launched were in flight "
+        "(Config.overlap_param_gather=True), e.g. through `p.data` (a WGAN weight clamp, an EMA's copy_to/restore): "
+        f"the gathers land over such writes or send values from before them, so ranks would train on different params "
+        f"({where}). Call opt.finish_param_sync() after step() before writing params, or set overlap_param_gather=False."
+    )
+
+
+def as_words(values: torch.Tensor) -> torch.Tensor:
+    """``values``' bytes as the widest integers its size and offset allow (a view): fewer,
+    wider elements to compare, and bitwise (a NaN equals itself)."""
+    for dtype in (torch.int64, torch.int32, torch.int16):
+        try:
+            return values.view(dtype)
+        except RuntimeError:
+            continue
+    return values.view(torch.uint8)
 
 
 class _Inert:

@@ -35,7 +35,7 @@ import torch
 
 from .._torch_compat import dtensor_local, is_dtensor
 from .mesh import local_of, rebind
-from .param_sync import Gather
+from .param_sync import Gather, as_words
 from .param_table import ParamTable
 from .shards import BucketShard
 
@@ -70,7 +70,7 @@ class ParamWatch:
         self.scratch = tuple(scratch.values())
         """Where the expected values of a shard are rebuilt: one per param dtype, the largest shard's size."""
         self._expected = [scratch[s.bucket.param_data.dtype][: s.main.numel()] for s in self._separate]
-        self._words = [(_words(e), _words(s.bucket.param_shards[rank])) for e, s in zip(self._expected, self._separate)]
+        self._words = [(as_words(e), as_words(s.bucket.param_shards[rank])) for e, s in zip(self._expected, self._separate)]
 
     @property
     def nbytes(self) -> int:
@@ -132,16 +132,6 @@ def _rebind_copy(param: torch.Tensor, view: torch.Tensor, adopt: bool) -> bool:
     rebind(param, view)
     log.info("a param moved to the device it was on is a view of the optimizer's flat buffer again")
     return True
-
-
-def _words(values: torch.Tensor) -> torch.Tensor:
-    """``values``' bytes as the widest integers its size and offset allow (a view)."""
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        try:
-            return values.view(dtype)
-        except RuntimeError:
-            continue
-    return values.view(torch.uint8)
 
 
 _HOOKS = operator.attrgetter("_backward_hooks")

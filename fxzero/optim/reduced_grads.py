@@ -14,6 +14,10 @@ Scaling is recorded per param (a Python float each) and applied once, by
 the same factor, which becomes one ``_foreach_mul_`` over the shards; different
 factors per param multiply the fragments.
 
+The same all-reduce carries one more number: how many ranks found params written while
+the last step's gathers were in flight (:meth:`~fxzero.optim.param_sync.ParamSync.take_written`),
+so that every rank raises that error together, before the update.
+
 Gradients assigned by hand (:mod:`fxzero.optim.hand_grads`) are written into this rank's
 fragments as they are (:meth:`ReducedGrads.use_as_is`) after the reductions finished;
 their statistics are this rank's own (present, and ``||g||^2`` of the whole tensor),
@@ -36,6 +40,7 @@ from .fragment_norms import FragmentNorms
 from .hand_grads import HandGrad
 from .ledger import Ledger
 from .mesh import MeshNorms
+from .param_sync import written_in_flight
 from .shards import BucketShard, FragmentTensor
 
 __all__ = ["ReducedGrads"]
@@ -52,8 +57,11 @@ class ReducedGrads:
         fragments: Sequence[FragmentTensor],
         dp: DataParallelGroup,
         mesh_norms: Optional[MeshNorms] = None,
+        written: Optional[Callable[[], Optional[str]]] = None,
     ) -> None:
         self.ledger, self.reductions = ledger, reductions
+        self._written = written
+        """This rank's finding of params written while gathers were in flight, taken once per step."""
         self.mesh_norms = mesh_norms
         """With DTensor params: sums the norms over the other mesh dims too, each param once."""
         self.shards, self.fragments, self.dp = tuple(shards), tuple(fragments), dp
@@ -70,14 +78,17 @@ class ReducedGrads:
         self._of_slot: list[list[FragmentTensor]] = [[] for _ in range(n)]
         for frag in fragments:
             self._of_slot[frag.slot].append(frag)
-        self._stats = torch.zeros(2 * n, dtype=torch.float64, device=device)
+        self._stats = torch.zeros(2 * n + 1, dtype=torch.float64, device=device)
         # made once: the step path neither slices nor allocates them
-        self._got_stats, self._square_stats = self._stats[:n], self._stats[n:]
+        self._got_stats, self._square_stats, self._written_stat = self._stats[:n], self._stats[n : 2 * n], self._stats[2 * n :]
         self._alone = _placer(measured, n) if dp.size == 1 and mesh_norms is None else None
         """At world size 1 with no other mesh dim: puts the fragments' squares (in
         :class:`FragmentNorms`' order) in slot order; ``None`` where they are summed over ranks."""
         self._scale = [1.0] * n
         self._scaled = False
+        self.zeroed = bytearray(n)
+        """``zeroed[slot]`` is 1 once the param's gradient was zeroed through its view this step."""
+        self._any_zeroed = False
         self.reset()
 
     def reset(self) -> None:
@@ -89,6 +100,9 @@ class ReducedGrads:
         if self._scaled:
             self._scale = [1.0] * self.num_params
             self._scaled = False
+        if self._any_zeroed:
+            self.zeroed[:] = bytes(self.num_params)
+            self._any_zeroed = False
 
     def finish(self) -> None:
         """Wait for this step's reductions; fp32 copies of 16-bit grad shards."""
@@ -116,6 +130,9 @@ class ReducedGrads:
         Python floats straight from the norms. A product of two fp32 values is exact in
         fp64, so each square has the bits the tensor path's fp64 ``square()`` gives, in one
         read of the norms instead of six small kernels."""
+        found = self._written() if self._written is not None else None
+        if found is not None:
+            raise written_in_flight(found, 1)
         norms = self._fragment_norms.compute().tolist()
         self._got = list(map(float, self.ledger.presence))  # got: a count of ranks, 0.0 for none
         self._squares = list(place(list(map(operator.mul, norms, norms))))
@@ -129,11 +146,15 @@ class ReducedGrads:
             squares.zero_().index_add_(0, self._measured_slots, self._fragment_norms.compute().double().square())
         else:
             squares.zero_()
+        found = self._written() if self._written is not None else None
+        self._written_stat.fill_(0.0 if found is None else 1.0)
         self.dp.all_reduce_sum(stats)
         if self.mesh_norms is not None:
             self.mesh_norms.sum_once(squares)
         values = stats.tolist()
-        self._got, self._squares = values[:n], values[n:]  # got: a count of ranks, 0.0 for none
+        if values[2 * n]:
+            raise written_in_flight(found, int(values[2 * n]))
+        self._got, self._squares = values[:n], values[n : 2 * n]  # got: a count of ranks, 0.0 for none
 
     def _count_hand(self) -> None:
         for slot, square in self._hand.items():
@@ -168,6 +189,10 @@ class ReducedGrads:
         if self.mesh_norms is not None:
             self.mesh_norms.sum_once(values)
         return values.pow(1.0 / ord).tolist()
+
+    def scale_of(self, slot: int) -> float:
+        """The factor recorded on param ``slot``'s gradient so far (applied in :meth:`apply`)."""
+        return self._scale[slot]
 
     def total_norm(self, dropped: Iterable[int] = ()) -> float:
         """Global L2 norm over every param except ``dropped`` (what ``step()`` clips by)."""
@@ -212,8 +237,10 @@ class ReducedGrads:
                 frag.grad.zero_()
         for slot in slots:
             self._scale[slot] = 1.0
+            self.zeroed[slot] = 1
             if self._squares:
                 self._squares[slot] = 0.0
+        self._any_zeroed = True
 
     def use_as_is(self, hand: Sequence[HandGrad]) -> None:
         """Write gradients assigned by hand into this rank's fragments, not averaged: each
