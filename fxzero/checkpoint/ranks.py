@@ -12,9 +12,9 @@ mistakes hang instead of fail:
   group's own timeout, as long as DDP or DCP would wait for a late rank), naming the ranks
   that did not come or what each rank called. A rank that waits longer than
   :data:`ARRIVAL_WARNING` seconds says so early, naming the late ranks (a rank-0-only
-  evaluation or upload before the save is ordinary; a forgotten call is not). After a
-  timeout the ranks' later calls no longer pair up (each rank counts its own): the job
-  should stop;
+  evaluation or upload before the save is ordinary; a forgotten call is not). A rank that
+  timed out takes its call back, so the ranks' next calls meet again
+  (:func:`~fxzero.optim.arrival.meet`);
 * **a failure on one rank** (its disk is full): the others would wait for it in the next
   collective. :meth:`CheckpointRanks.together` runs a step on every rank, then gathers every
   rank's failure, so all of them raise the same :class:`CheckpointError`.

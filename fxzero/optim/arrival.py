@@ -9,8 +9,9 @@ through the group's key-value store first (no collective, so it does not depend 
 backend) and raises :class:`Absent` on every rank that arrived if some rank has not arrived
 within ``timeout`` seconds, or :class:`Mismatch` if the ranks made different calls. Each
 caller turns those into its own error message. A rank that waits longer than ``warn_after``
-seconds warns early, naming the late ranks. After a timeout the ranks' later calls no longer
-pair up (each rank counts its own calls under ``prefix``): the job should stop.
+seconds warns early, naming the late ranks. A rank that timed out takes its call back, so the
+ranks' next calls meet again (each rank counts its own calls under ``prefix``); a late rank
+that arrives after that times out too.
 """
 
 from __future__ import annotations
@@ -76,13 +77,19 @@ def meet(
     key = f"{prefix}/{generation}"
     clock = _Clock(time.monotonic(), timeout, warn_after, lambda: late(_missing(store, key, dp.size), timeout))
     store.set(f"{key}/{rank}", call)
-    clock.wait(store, f"{key}/0", key, dp.size)
-    first = store.get(f"{key}/0").decode()
-    if first != call:
-        store.append(f"{key}/differ", f"; rank {rank} called {call}")
-    if store.add(f"{key}/arrived", 1) == dp.size:
-        store.set(f"{key}/all", "")
-    clock.wait(store, f"{key}/all", key, dp.size)
+    arrived = False
+    try:
+        clock.wait(store, f"{key}/0", key, dp.size)
+        first = store.get(f"{key}/0").decode()
+        if first != call:
+            store.append(f"{key}/differ", f"; rank {rank} called {call}")
+        arrived = True
+        if store.add(f"{key}/arrived", 1) == dp.size:
+            store.set(f"{key}/all", "")
+        clock.wait(store, f"{key}/all", key, dp.size)
+    except Absent:
+        _withdraw(store, prefix, key, rank, arrived)
+        raise
     if store.check([f"{key}/differ"]):
         raise Mismatch(first, store.get(f"{key}/differ").decode())
     _forget(store, prefix, generation - 1, rank)
@@ -114,6 +121,15 @@ class _Clock:
 
 def _missing(store: dist.Store, prefix: str, size: int) -> list[int]:
     return [r for r in range(size) if not store.check([f"{prefix}/{r}"])]
+
+
+def _withdraw(store: dist.Store, prefix: str, key: str, rank: int, arrived: bool) -> None:
+    """Take back this rank's part of a meeting that timed out, so that the ranks' next call
+    meets again (the ranks that never came count no call for it)."""
+    store.add(f"{prefix}/calls/{rank}", -1)
+    store.delete_key(f"{key}/{rank}")
+    if arrived:
+        store.add(f"{key}/arrived", -1)
 
 
 def _forget(store: dist.Store, prefix: str, generation: int, rank: int) -> None:
