@@ -15,8 +15,10 @@ import torch
 import torch.distributed as dist
 from accelerate import Accelerator
 from torch.utils.data import DataLoader
+from transformers import Trainer, TrainingArguments
 
 import fxzero
+from fxzero.hugging_face import CheckpointCallback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import hf_trainer
@@ -92,11 +94,35 @@ def trainer_runs(root: Path, reference: bool) -> dict[str, Any]:
     return {"straight": straight, "resumed": resumed, "optimizer_file": str(root / name / "checkpoint-2" / "optimizer.pt")}
 
 
+def trainer_with_an_optimizer_object(output_dir: Path, resume: Optional[Path]) -> tuple[list[float], list[torch.Tensor]]:
+    """The other way to hand Trainer an optimizer, ``optimizers=(opt, None)``, built before
+    Trainer moves the model (``model.to("cpu:0")`` copies every param) and, on resume, loads the
+    checkpoint's weights into those copies: both are taken in (no weight decay: Trainer's
+    default of 0, so its groups and this one group train alike)."""
+    args = TrainingArguments(
+        output_dir=str(output_dir), max_steps=STEPS, per_device_train_batch_size=4, learning_rate=1e-2, logging_steps=1,
+        save_strategy="steps", save_steps=2, gradient_accumulation_steps=2, report_to="none", disable_tqdm=True, use_cpu=True,
+    )  # fmt: skip
+    model = hf_trainer.tiny_gpt2()
+    adamw, adamw_kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+    # Trainer puts weight_decay into its groups, not into these kwargs: AdamW's own default is 0.01
+    opt = fxzero.DistributedOptimizer(model.parameters(), adamw, module=model, weight_decay=args.weight_decay, **adamw_kwargs)
+    model.compile(backend="fxzero")
+    model._is_accelerate_prepared = True
+    trainer = Trainer(model=model, args=args, train_dataset=hf_trainer.random_tokens(), optimizers=(opt, None),
+                      callbacks=[CheckpointCallback()])  # fmt: skip
+    trainer.train(resume_from_checkpoint=None if resume is None else str(resume))
+    opt.finish_param_sync()
+    return [log["loss"] for log in trainer.state.log_history if "loss" in log], [p.detach().clone() for p in model.parameters()]
+
+
 def main() -> None:
     root = Path(sys.argv[2])  # shared by the ranks: Trainer writes rank 0's files and each rank's RNG state there
     results = {
         "trainer_reference": trainer_runs(root, reference=True),
         "trainer_fxzero": trainer_runs(root, reference=False),
+        "trainer_object": trainer_with_an_optimizer_object(root / "object", None),
+        "trainer_object_resumed": trainer_with_an_optimizer_object(root / "object-resumed", root / "object" / "checkpoint-2"),
         "accelerate_reference": accelerate_losses(use_fxzero=False, accumulation=2, checkpoint=root / "acc-ref"),
         "accelerate_fxzero": accelerate_losses(use_fxzero=True, accumulation=2, checkpoint=root / "acc-fxzero"),
         "accelerate_prepared_model": refused_inside_ddp(),

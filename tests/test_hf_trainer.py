@@ -127,6 +127,15 @@ def test_trainer_checkpoints_hold_the_whole_optimizer_state_and_resume_exactly(r
 
 @pytest.mark.slow
 @pytest.mark.timeout(480)
+def test_trainer_given_an_optimizer_built_before_it_moved_the_model_saves_and_resumes_exactly(recipe: dict) -> None:
+    """``optimizers=(opt, None)``: Trainer's move copies the params and its resume loads the
+    checkpoint's weights into the copies; both are taken in (they were refused, naming the param)."""
+    reference = recipe["trainer_reference"]
+    assert _same(recipe["trainer_object"], reference["straight"]) and _same(recipe["trainer_object_resumed"], reference["resumed"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
 def test_accelerate_accumulate_save_state_and_load_state_train_like_ddp(recipe: dict) -> None:
     """Two micro-batches a step (``accelerator.accumulate``), ``save_state`` after the first
     step, a fresh model, optimizer and accelerator ``load_state`` and take the second: bitwise
