@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import fxzero
+from fxzero.optim import sharded_state
 from fxzero.testing import run_ranks
 
 STEPS = 3
@@ -244,9 +247,12 @@ def _rank_0_alone_saves() -> tuple[str, bytes]:
     _train(model, opt, range(STEPS))
     error = ""
     if dist.get_rank() == 0:
-        with pytest.raises(RuntimeError) as caught:
+        with pytest.raises(RuntimeError) as caught, mock.patch.object(sharded_state, "STATE_DICT_WARNING", 0.3), \
+                warnings.catch_warnings(record=True) as warned:  # fmt: skip
+            warnings.simplefilter("always")
             opt.state_dict()
         error = str(caught.value)
+        assert any("has waited 0.3 s for rank(s) [1] of 2" in str(w.message) for w in warned), [str(w.message) for w in warned]
     dist.barrier()
     buffer = io.BytesIO()
     state = opt.state_dict()  # every rank: the timed-out call was taken back, so this one meets
@@ -325,3 +331,18 @@ def test_the_whole_state_dict_carries_the_fp32_masters_of_bf16_params_and_resume
     train(resumed, resumed_opt, range(STEPS, 2 * STEPS))
     assert all(torch.equal(a.param, b.param) for a, b in zip(opt.fragments, resumed_opt.fragments))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
+
+
+def test_the_defaults_the_readme_states_for_a_state_dict_on_some_ranks_only() -> None:
+    assert fxzero.Config().state_dict_timeout == 120.0 and sharded_state.STATE_DICT_WARNING == 10.0
+
+
+def test_a_consolidated_state_is_dropped_at_the_next_step() -> None:
+    """``consolidate_state_dict`` keeps the whole state for the next ``state_dict()``, not for one after a step."""
+    model = _model()
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, module=model)
+    _train(model, opt, range(1))
+    opt.consolidate_state_dict()
+    assert int(opt.state_dict()["state"][0]["step"]) == 1
+    _train(model, opt, range(1, 2))
+    assert int(opt.state_dict()["state"][0]["step"]) == 2
