@@ -25,7 +25,6 @@ __all__ = [
     "active_ddp_module",
     "aot_autograd",
     "batch_norm_base",
-    "called_from_torch_checkpoint",
     "compile_id",
     "current_graph_task_id",
     "dtensor_global_offset",
@@ -575,31 +574,6 @@ def active_ddp_module() -> Optional[nn.Module]:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel._get_active_ddp_module()
-
-
-def called_from_torch_checkpoint(depth: int = 6) -> bool:
-    """Whether ``torch.distributed.checkpoint`` code is among the ``depth`` callers of the
-    function that asks (e.g. ``get_optimizer_state_dict``, ``set_optimizer_state_dict``,
-    ``dcp.save`` of a ``Stateful``). Every public function there is a collective that all
-    ranks call, so the optimizer may answer with a collective export.
-
-    What for: ``DistributedOptimizer.state_dict()`` keeps fxzero's per-rank format for a
-    direct call (a rank-0-only ``torch.save(opt.state_dict())`` must not become a collective)
-    but gives DCP's functions the consolidated plain format they read (per-param state keyed
-    like ``torch.optim``; DCP would take per-rank shards as replicated plain tensors). Uses
-    ``sys._getframe`` (CPython's frames; a caller is told apart by its module's
-    ``__name__``), a few frames deep so a wrapper between (Accelerate's
-    ``AcceleratedOptimizer.state_dict``) still counts. torch offers no hook that says who
-    asks; if frames go: an explicit ``opt.consolidated_state_dict()`` handed to DCP.
-    """
-    frame = sys._getframe(2)  # 0: this function, 1: the asking method, 2: its caller
-    for _ in range(depth):
-        if frame is None:
-            return False
-        if frame.f_globals.get("__name__", "").startswith("torch.distributed.checkpoint"):
-            return True
-        frame = frame.f_back
-    return False
 
 
 class DcpCheckpointable:
