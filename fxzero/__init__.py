@@ -12,6 +12,7 @@ from .config import Config, default_bucket_size
 from .explainer import explain
 from .parity import ParityReport, parity
 from .distributed_optimizer import DistributedOptimizer, StepResult
+from .version import __version__
 from .optim import (
     Bucket,
     BucketPlan,
@@ -55,6 +56,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | _CHECKPOINT)
 
 __all__ = [
+    "__version__",
     "Bucket",
     "BucketPlan",
     "BufferPlan",

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from .config import Config
+from .version import __version__
 from .parity import cli as parity_cli
 from .target import TargetError, load_target
 
@@ -100,7 +101,8 @@ def _tolerance(flag: str) -> Callable[[str], float]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m fxzero", description="fxzero command line")
+    parser = argparse.ArgumentParser(prog="fxzero", description="fxzero command line (also `python -m fxzero`)")
+    parser.add_argument("--version", action="version", version=f"fxzero {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _explain_parser(commands)
     _parity_parser(commands)

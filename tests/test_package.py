@@ -101,7 +101,7 @@ def test_cycle_finder_sees_a_cycle() -> None:
 
 
 LAYERS = (
-    ("_torch_compat", "config"),
+    ("_torch_compat", "config", "version"),
     ("optim",),  # the runtime's parts; defines the gather protocol
     ("mxfp8", "ops"),  # implements it; the ops compiled graphs call
     ("distributed_optimizer",),  # assembles the parts (chooses the gather, lets the ops take DTensor params)
@@ -177,3 +177,24 @@ def test_private_torch_apis_only_in_the_compat_module() -> None:
     }
     assert {path: names for path, names in found.items() if names} == {}
     assert _private_torch_names(ast.parse(COMPAT.read_text()))  # the compat module is where they are
+
+
+def test_the_version_is_one_and_the_console_script_prints_it() -> None:
+    """``fxzero.__version__``, pyproject.toml's version, the changelog's newest entry and
+    ``fxzero --version`` (the console script the README's install puts on PATH) agree."""
+    import shutil
+    import subprocess
+
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: pytest itself depends on tomli there
+        import tomli as tomllib  # type: ignore[no-redef]
+
+    root = Path(__file__).resolve().parents[1]
+    version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
+    assert fxzero.__version__ == version
+    assert (root / "CHANGELOG.md").read_text().split("\n## ")[1].startswith(f"{version} ")
+    script = shutil.which("fxzero")
+    assert script is not None, "pip install -e . puts the fxzero console script on PATH"
+    run = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=120, check=True)
+    assert run.stdout.strip() == f"fxzero {version}"
