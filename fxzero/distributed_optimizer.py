@@ -39,8 +39,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import logging
 import math
+import operator
 import weakref
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -200,7 +202,8 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self._reuse = self.config.reuse_grad_buf_for_mxfp8_param_ag
         # gather bytes sit in the grad buffer: land a bucket before touching its grads
         before_grad_write = self.param_sync.wait if self._reuse else None
-        self.ledger = Ledger(table.bucket_of_slot, len(self.buckets), label=table.label)
+        requires_grad = functools.partial(_requires_grad, table.params)
+        self.ledger = Ledger(table.bucket_of_slot, len(self.buckets), label=table.label, requires_grad=requires_grad)
         self.reductions = GradReductions(self.buckets, dp, self.ledger, described=described, before_grad_write=before_grad_write,
                                          divide_factor=self.config.gradient_divide_factor)
         self.shards, self.fragments = build_shards(self.buffers, table, dp.rank, separate_mains=self.config.mxfp8_param_gather)
@@ -444,6 +447,14 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
 
 def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:
     settle(reductions.pending_works() + param_sync.pending_works())
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _requires_grad(params: Sequence[torch.Tensor]) -> bytes:
+    """Each param's ``requires_grad``, in one C-level pass (what the ledger asks per backward)."""
+    return bytes(map(_REQUIRES_GRAD, params))
 
 
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:

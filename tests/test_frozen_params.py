@@ -244,3 +244,46 @@ def _beside_ddp() -> list[bool]:
 def test_unfreezing_and_add_param_group_at_world_2_train_as_ddp() -> None:
     results = run_ranks(2, _beside_ddp, timeout=180)
     assert all(results[0]) and results[0] == results[1], results
+
+
+def _launch_order(opt: fxzero.DistributedOptimizer, run: Callable[[], None]) -> list[Any]:
+    """What launched, and when the end of backward came, during ``run()``."""
+    events: list[Any] = []
+    launch, end = opt.reductions.launch, opt.grad_sync._end_of_backward
+
+    def recorded_launch(indices: range) -> None:
+        events.extend(indices)
+        launch(indices)
+
+    def recorded_end() -> None:
+        events.append("end")
+        end()
+
+    opt.reductions.launch, opt.grad_sync._end_of_backward = recorded_launch, recorded_end
+    try:
+        run()
+    finally:
+        del opt.reductions.launch, opt.grad_sync._end_of_backward
+    return events
+
+
+def test_a_frozen_layer_does_not_hold_its_bucket_and_the_later_ones_to_the_end_of_backward() -> None:
+    """Eagerly, every bucket's reduction launches inside the backward with a layer frozen
+    (it was launched only at the end, with every bucket after it: a frozen backbone lost all
+    overlap), and again once the layer is unfrozen."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(16, 16) for _ in range(4)])
+    for p in model[1].parameters():
+        p.requires_grad_(False)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, module=model,
+                                      config=fxzero.Config(bucket_size=16 * 16 + 16))  # fmt: skip
+
+    def step() -> None:
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+
+    assert _launch_order(opt, step) == [0, 1, 2, 3, "end"]
+    for p in model[1].parameters():
+        p.requires_grad_(True)
+    assert _launch_order(opt, step) == [0, 1, 2, 3, "end"]
+    assert all(p.abs().sum() > 0 for p in model[1].parameters())

@@ -93,7 +93,13 @@ class Ledger:
     """Readiness of a fixed list of buckets; slot ``s`` lives in bucket ``bucket_of_slot[s]``."""
 
     def __init__(
-        self, bucket_of_slot: Sequence[int], num_buckets: int, *, label: Callable[[int], str] = str, engine: Engine = AUTOGRAD
+        self,
+        bucket_of_slot: Sequence[int],
+        num_buckets: int,
+        *,
+        label: Callable[[int], str] = str,
+        engine: Engine = AUTOGRAD,
+        requires_grad: Optional[Callable[[], bytes]] = None,
     ) -> None:
         self.bucket_of_slot = tuple(bucket_of_slot)
         self.num_buckets = num_buckets
@@ -118,6 +124,11 @@ class Ledger:
         self.accumulating = False
         self._forwards: list[_Forward] = []
         self._task = -1
+        self._requires_grad = requires_grad
+        """Each param's ``requires_grad`` as bytes, asked at the start of every backward (see :meth:`_follow_freezing`)."""
+        self._requires_seen = b"\x01" * n
+        self._frozen = bytearray(n)
+        """``_frozen[slot]`` is 1 while the param is left out of the eager counts, frozen."""
 
     # ---- in: what the producers report ------------------------------------------
     def compiled_graph(self, slots: Iterable[int]) -> None:
@@ -126,8 +137,9 @@ class Ledger:
         for slot in slots:
             if not self.compiled[slot]:
                 self.compiled[slot] = 1
-                self._baseline[self.bucket_of_slot[slot]] -= 1
-                self._pending[self.bucket_of_slot[slot]] -= 1
+                if not self._frozen[slot]:  # a frozen one is out of the eager counts already
+                    self._baseline[self.bucket_of_slot[slot]] -= 1
+                    self._pending[self.bucket_of_slot[slot]] -= 1
         self.learning = True
 
     def forward_ran(self, counts: Sequence[tuple[int, int]], node: Any) -> None:
@@ -244,6 +256,8 @@ class Ledger:
         if task == self._task or task == -1:
             return
         self._task = task
+        if self._requires_grad is not None:
+            self._follow_freezing(self._requires_grad())
         live = []
         for forward in self._forwards:
             node = forward.node()
@@ -259,6 +273,25 @@ class Ledger:
             if node is not None:
                 live.append(forward)
         self._forwards = live
+
+    def _follow_freezing(self, requires: bytes) -> None:
+        """A frozen param (``requires_grad=False``) delivers no gradient, so its eager count
+        would hold its bucket, and every bucket after it, until the end of backward: a
+        frozen backbone (LoRA, gradual unfreezing) would lose all overlap. Asked at the start
+        of each backward, since a param may be frozen or unfrozen between any two; one bytes
+        comparison when nothing changed. (Compiled graphs count what their backward delivers.)"""
+        if requires == self._requires_seen:
+            return
+        self._requires_seen = requires
+        for slot, wants in enumerate(requires):
+            frozen = 0 if wants else 1
+            if frozen == self._frozen[slot]:
+                continue
+            self._frozen[slot] = frozen
+            if not self.compiled[slot] or self._mixed[slot]:  # counted as an eager contribution
+                bucket, delta = self.bucket_of_slot[slot], -1 if frozen else 1
+                self._baseline[bucket] += delta
+                self._pending[bucket] += delta
 
     def _adjust(self, counts: Sequence[tuple[int, int]], sign: int) -> None:
         for bucket, count in counts:
