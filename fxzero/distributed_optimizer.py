@@ -54,7 +54,7 @@ from . import _torch_compat as compat
 from . import ops
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
-from .optim.added_groups import carry, pending_gradients, restore
+from .optim.added_groups import carried_over, pending_gradients
 from .optim.group_plan import GroupPlan, plan_groups
 from .optim.binding import GraphBinding, InputBinding, OwnerRef
 from .optim.buffer_sync import BufferSync
@@ -82,7 +82,7 @@ from .optim.step_result import StepResult, warn_no_gradients
 from .optim.state_dict import NOT_HYPERPARAMETERS, hyperparameters
 from .optim.validation import check_leaves, check_param_groups_kept, resolve_state_sharding
 
-__all__ = ["DistributedOptimizer", "StepResult"]
+__all__ = ["DistributedOptimizer", "StepResult", "find_distributed_optimizer"]
 
 log = logging.getLogger(__name__)
 
@@ -274,14 +274,13 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             del self.param_groups[count:]
             raise
         self.finish_param_sync()
-        states = [self.fragment_state(f) for f in self.fragments]
-        carried = carry(states, self.param_table, self.fragments, self.shards, self.dp)
+        whole = self.consolidated_state_dict()  # collective; the fp32 masters too, where they are apart
         for teardown in self._teardown:
             teardown()
         self._teardown.clear()
         self._build(planned, module, first=False)  # type: ignore[arg-type]
         with self.replacing_state():
-            self.load_fragment_states(restore(carried, self.param_table, self.fragments, self.shards))
+            self.load_whole_states(carried_over(whole, self.param_table, self.fragments))
 
     def bind(self, example_inputs: Sequence[Any]) -> InputBinding:
         """Which of a graph's ``example_inputs`` this optimizer manages, and their buckets:
@@ -443,6 +442,15 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         for part in (self.reductions, self.param_sync, self.buffer_sync):
             counts.update(part.collectives_per_step())
         return dict(counts)
+
+
+def find_distributed_optimizer(optimizer: Any) -> Optional[DistributedOptimizer]:
+    """The DistributedOptimizer inside Accelerate's ``AcceleratedOptimizer``, Lightning's
+    ``LightningOptimizer`` (and any wrapper that keeps the one it wraps as ``.optimizer``), or ``None``."""
+    seen = 0
+    while optimizer is not None and not isinstance(optimizer, DistributedOptimizer) and seen < 8:
+        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
+    return optimizer if isinstance(optimizer, DistributedOptimizer) else None
 
 
 def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:

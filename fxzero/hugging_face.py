@@ -23,20 +23,11 @@ from typing import Any
 import torch
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
-from .distributed_optimizer import DistributedOptimizer
+from .distributed_optimizer import find_distributed_optimizer
 
-__all__ = ["CheckpointCallback", "find_distributed_optimizer"]
+__all__ = ["CheckpointCallback", "find_distributed_optimizer"]  # the latter re-exported for recipes
 
 log = logging.getLogger(__name__)
-
-
-def find_distributed_optimizer(optimizer: Any) -> DistributedOptimizer | None:
-    """The DistributedOptimizer inside Accelerate's ``AcceleratedOptimizer`` (and any wrapper
-    that keeps the one it wraps as ``.optimizer``), or ``None``."""
-    seen = 0
-    while optimizer is not None and not isinstance(optimizer, DistributedOptimizer) and seen < 8:
-        optimizer, seen = getattr(optimizer, "optimizer", None), seen + 1
-    return optimizer if isinstance(optimizer, DistributedOptimizer) else None
 
 
 class CheckpointCallback(TrainerCallback):

@@ -28,17 +28,11 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 
-from .distributed_optimizer import DistributedOptimizer
+from .distributed_optimizer import DistributedOptimizer, find_distributed_optimizer
 
 __all__ = ["FxzeroStrategy"]
-
-
-def _unwrap(optimizer: Any) -> Any:
-    return optimizer.optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class FxzeroStrategy(DDPStrategy):
@@ -56,7 +50,7 @@ class FxzeroStrategy(DDPStrategy):
         self._check_every_param_managed()
 
     def _fxzero_optimizers(self) -> list[DistributedOptimizer]:
-        return [opt for opt in map(_unwrap, self.optimizers) if isinstance(opt, DistributedOptimizer)]
+        return [opt for opt in map(find_distributed_optimizer, self.optimizers) if opt is not None]
 
     def _check_every_param_managed(self) -> None:
         """Without DDP, a trainable param no DistributedOptimizer manages gets no gradient
@@ -83,10 +77,3 @@ class FxzeroStrategy(DDPStrategy):
             for opt in self._fxzero_optimizers():
                 stack.enter_context(opt.no_sync())
             yield
-
-    def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state for a checkpoint, once pending param gathers
-        (``Config.overlap_param_gather``) have landed."""
-        for opt in self._fxzero_optimizers():
-            opt.finish_param_sync()
-        return super().lightning_module_state_dict()

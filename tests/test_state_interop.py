@@ -343,6 +343,7 @@ def test_a_consolidated_state_is_dropped_at_the_next_step() -> None:
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.05, module=model)
     _train(model, opt, range(1))
     opt.consolidate_state_dict()
-    assert int(opt.state_dict()["state"][0]["step"]) == 1
+    opt.param_groups[0]["lr"] = 0.01  # a scheduler between the gather and the save
+    assert int(opt.state_dict()["state"][0]["step"]) == 1 and opt.state_dict()["param_groups"][0]["lr"] == 0.01
     _train(model, opt, range(1, 2))
     assert int(opt.state_dict()["state"][0]["step"]) == 2

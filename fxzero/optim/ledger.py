@@ -126,7 +126,8 @@ class Ledger:
         self._task = -1
         self._requires_grad = requires_grad
         """Each param's ``requires_grad`` as bytes, asked at the start of every backward (see :meth:`_follow_freezing`)."""
-        self._requires_seen = b"\x01" * n
+        self._ones = b"\x01" * n
+        self._requires_seen = self._ones
         self._frozen = bytearray(n)
         """``_frozen[slot]`` is 1 while the param is left out of the eager counts, frozen."""
 
@@ -158,7 +159,7 @@ class Ledger:
         if self.accumulating:
             return None
         bucket = self.bucket_of_slot[slot]
-        self._check_open(bucket, slot)
+        self.check_open(bucket, slot)
         if self.compiled[slot] and not self._mixed[slot]:
             log.info("param %s is read by a compiled graph and eagerly; expecting both from now on", self._label(slot))
             self._mixed[slot] = 1
@@ -174,7 +175,7 @@ class Ledger:
         marks their presence: ``slots``); ``None`` when accumulating, else the buckets that may launch."""
         self._arrived()
         if bucket < self._next:
-            self._check_open(bucket, int(slots[0]))
+            self.check_open(bucket, int(slots[0]))
         self._pending[bucket] -= count
         return None if self.accumulating else self._contribute(bucket, 0)
 
@@ -204,7 +205,7 @@ class Ledger:
 
     def all_present(self) -> None:
         """Every param holds a (zero) gradient this step: ``zero_grad(set_to_none=False)``."""
-        self.presence[:] = b"\x01" * len(self.presence)
+        self.presence[:] = self._ones
 
     def zeroed(self) -> None:
         """The grad buffers were zeroed."""
@@ -215,10 +216,6 @@ class Ledger:
         """Whether ``bucket`` launched this step: a gradient for it now is late (or follows
         a ``model.zero_grad()`` the caller resets the step for)."""
         return bucket < self._next
-
-    def check_open(self, bucket: int, slot: int) -> None:
-        """Raise :class:`LateGradient` naming param ``slot`` if ``bucket`` launched this step."""
-        self._check_open(bucket, slot)
 
     @property
     def launched(self) -> tuple[bool, ...]:
@@ -238,7 +235,8 @@ class Ledger:
             self._next += 1
         return range(start, self._next)
 
-    def _check_open(self, bucket: int, slot: int) -> None:
+    def check_open(self, bucket: int, slot: int) -> None:
+        """Raise :class:`LateGradient` naming param ``slot`` if ``bucket`` launched this step."""
         if bucket < self._next:
             raise LateGradient(
                 f"fxzero: param {self._label(slot)} received a gradient after bucket {bucket} was already "

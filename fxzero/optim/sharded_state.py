@@ -108,8 +108,8 @@ class ShardedState:
         }
 
     def _whole_state_dict(self) -> dict[str, Any]:
-        if self._consolidated is not None:
-            return self._consolidated
+        if self._consolidated is not None:  # the state as of the last step; hyperparameters as they are now
+            return {"state": self._consolidated["state"], "param_groups": self._plain_groups()}
         return self._collective_state_dict("state_dict")
 
     def _collective_state_dict(self, call: str) -> dict[str, Any]:
@@ -149,11 +149,7 @@ class ShardedState:
         self.dp.agree(problem, "load_state_dict")
         with self.replacing_state():
             if plain:
-                masters = [state.pop(MASTER_KEY, None) for state in states]
-                self.load_fragment_states(states)
-                for frag, master in zip(self.fragments, masters):
-                    if master is not None:
-                        frag.param.copy_(master)
+                self.load_whole_states(states)
             else:
                 self.local.load_state_dict(state_dict["local"])
                 separate = [s for s in self.shards if not s.main_is_param]
@@ -176,11 +172,12 @@ class ShardedState:
             for f in self.fragments
         ]
         state = consolidated_state(self.param_table, self.fragments, states, self.dp)
-        groups = [
-            hyperparameters(group) | {"params": list(self.param_table.group_slots[g])}
-            for g, group in enumerate(self.param_groups)
-        ]
-        return {"state": state, "param_groups": groups}
+        return {"state": state, "param_groups": self._plain_groups()}
+
+    def _plain_groups(self) -> list[dict[str, Any]]:
+        """The laid-out groups as torch.optim lists them, with today's hyperparameters
+        (``add_param_group`` consolidates with the new group appended already)."""
+        return [hyperparameters(self.param_groups[g]) | {"params": list(slots)} for g, slots in enumerate(self.param_table.group_slots)]
 
     def refuse_param_shaped_state(self, what: str) -> None:
         """Param-shaped state in plain ``torch.optim`` format of a DTensor param would need its
@@ -223,6 +220,16 @@ class ShardedState:
         index_of = {id(p): i for i, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
         loaded = {index_of[id(f.param)]: state for f, state in zip(self.fragments, states) if state}
         self.local.load_state_dict({"state": loaded, "param_groups": self.local.state_dict()["param_groups"]})
+
+    def load_whole_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """:meth:`load_fragment_states` of this rank's cut of a whole state
+        (:func:`~fxzero.optim.state_dict.plain_fragment_states`), whose fp32 masters
+        (``MASTER_KEY``), where it holds them, go into the fragments (inside :meth:`replacing_state`)."""
+        masters = [state.pop(MASTER_KEY, None) for state in states]
+        self.load_fragment_states(states)
+        for frag, master in zip(self.fragments, masters):
+            if master is not None:
+                frag.param.copy_(master)
 
     @property
     def state_bytes(self) -> int:
