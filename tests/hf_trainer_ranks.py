@@ -51,10 +51,12 @@ def _accelerate_setup(use_fxzero: bool, accumulation: int) -> tuple[Any, Any, Ac
     loader = DataLoader(hf_trainer.random_tokens(), batch_size=4)
     if use_fxzero:  # the README's recipe: the model is not prepared (DDP would wrap it) but saved with the state
         opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, module=model, lr=1e-2)
+        model.compile(backend="fxzero")
         opt, loader = accelerator.prepare(opt, loader)
         accelerator.register_for_checkpointing(model)
-    else:
+    else:  # compiled with Inductor too: GPT-2's dropout then draws the same masks
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.compile()
         model, opt, loader = accelerator.prepare(model, opt, loader)
     return model, opt, accelerator, loader
 
