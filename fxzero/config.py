@@ -97,6 +97,16 @@ class Config:
     Needs ``DistributedOptimizer(..., module=model)``; without a module ``step()`` waits for
     its gathers itself."""
 
+    overlap_param_gather_with_optimizer_step: bool = True
+    """Update one bucket at a time in ``step()`` and launch each bucket's all-gather as soon
+    as its shard is updated (Megatron-LM's ``--overlap-param-gather-with-optimizer-step``), so
+    the gathers run under the rest of the update; buckets go in the order the next forward
+    reads them. The result is bitwise the same as updating every shard first. Applies to the
+    torch.optim classes that update each param on its own (the elementwise ones, Adafactor,
+    Muon); any other class updates every shard before the gathers start (it may couple
+    params). With ``overlap_param_gather`` off ``step()`` still returns with every param
+    current; on, the gathers are left to the forward as before."""
+
     mxfp8_param_gather: bool = False
     """All-gather params as MXFP8 (1 byte per element plus one scale byte per 32, about
     0.26x of fp32's bytes): each rank quantizes its updated fp32 main shard, the
@@ -174,7 +184,7 @@ class Config:
         timeout = self.state_dict_timeout
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"Config.state_dict_timeout must be a finite number of seconds > 0, got {timeout!r}")
-        flags = ("overlap_param_gather", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
+        flags = ("overlap_param_gather", "overlap_param_gather_with_optimizer_step", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
                  "broadcast_buffers")
         for name in flags:
             if not isinstance(getattr(self, name), bool):

@@ -61,7 +61,8 @@ from .optim.buffer_sync import BufferSync
 from .optim.buffers import build_buffers, owners_of
 from .optim.comm import DataParallelGroup, settle
 from .optim.ddp_guard import refuse_ddp
-from .optim.flat_update import FlatUpdate
+from .optim.bucketed_update import updates_param_by_param
+from .optim.flat_update import ByBucket, FlatUpdate
 from .optim.full_grads import gather_full_grads
 from .optim.grad_sync import GradReductions, GradSync
 from .optim.grad_views import GradViews, grad_scaler_state
@@ -70,7 +71,7 @@ from .optim.layout_agreement import check_ranks_agree, describe_layout
 from .optim.ledger import Ledger
 from .optim.mesh import local_of
 from .optim.module_no_sync import install_no_sync
-from .optim.param_sync import Gather, ParamSync, PlainGather, install_param_waits
+from .optim.param_sync import Gather, ParamSync, PlainGather, Publish, install_param_waits
 from .optim.ownership import Balance, balance
 from .optim.param_table import ParamTable
 from .optim.param_watch import ParamWatch
@@ -211,8 +212,11 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         param (``where``) and the fp32 master view the wrapped optimizer steps (``param``)."""
         self.local = self._build_local_optimizer()
         self._local_step = compat.unhooked_step(self.local)  # step hooks run once per step, for this optimizer
-        self.update = FlatUpdate(self.local, self.fragments, [table.rows[f.slot].group for f in self.fragments], self._kwargs)
+        self.update = FlatUpdate(self.local, self.fragments, [table.rows[f.slot].group for f in self.fragments],
+                                 [table.bucket_of_slot[f.slot] for f in self.fragments], self._kwargs, bucket_count=len(self.buckets))
         """Runs of adjacent fragments step as one tensor where that gives the same bits (:mod:`fxzero.optim.flat_update`)."""
+        self._publish = Publish(self.param_sync, [shard.main for shard in sorted(self.shards, key=lambda shard: shard.bucket.index)])
+        self._by_bucket = self._plan_by_bucket()
         self._rank_state = RankState(table, self.fragments, self.local)
         mesh_norms = self.mesh_params.norms(len(self.params), self.params[0].device)
         self.reduced = ReducedGrads(self.ledger, self.reductions, self.shards, self.fragments, dp, mesh_norms, self.param_sync.take_written)
@@ -234,6 +238,17 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self.grad_sync.install_hooks()
         self._teardown.append(weakref.finalize(self, self.grad_sync.remove_hooks))
         self._teardown.append(weakref.finalize(self, self.grad_views.remove))
+
+    def _plan_by_bucket(self) -> Optional[ByBucket]:
+        """Whether the step updates one bucket at a time, launching each bucket's gather as
+        soon as its shard is done (:mod:`fxzero.optim.bucketed_update`): when there are
+        gathers and the wrapped class updates each param on its own."""
+        if not (self.config.overlap_param_gather_with_optimizer_step and self.dp.size > 1):
+            return None
+        if not updates_param_by_param(self.optimizer_class):
+            log.info("fxzero: %s may couple params in its step: every shard is updated before the gathers start", self.optimizer_class.__name__)
+            return None
+        return ByBucket(self.param_sync.order, self._publish)
 
     def _build_gather(self) -> Gather:
         """The one place the gather is chosen: ``optim`` defines the protocol, ``mxfp8`` implements one."""
@@ -325,13 +340,19 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             return StepResult(skipped=True, grad_norm=norm, loss=loss, reason="non_finite")
         grads.apply(self._clip_coefficient(norm) / grad_scale)
         self._sync_hyperparameters()
+        by_bucket = self._by_bucket
+        if by_bucket is not None:  # each bucket's gather starts as soon as its shard is updated
+            self.param_sync.begin()
         if absent:
             with grads.hidden(absent):
-                self.update.step_apart(self._local_step)
+                self.update.step_apart(self._local_step, by_bucket)
         else:  # the common case: nothing to hide, no context manager to enter
-            self.update.step(self._local_step)
+            self.update.step(self._local_step, by_bucket)
         self._rank_state.held = True
-        self._publish_and_gather()
+        if by_bucket is None:
+            self._publish_and_gather()
+        else:
+            self.param_sync.end()
         return StepResult(skipped=False, grad_norm=norm, loss=loss)
 
     def _clip_coefficient(self, norm: float) -> float:
@@ -355,11 +376,13 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
                 if name not in NOT_HYPERPARAMETERS:
                     local[name] = value
 
+
     def _publish_and_gather(self) -> None:
-        """The fp32 masters -> the gather's input (param shard or MXFP8 row); launch."""
-        for shard in self.shards:
-            self.gather.publish(shard.bucket.index, shard.main)
-        self.start_param_sync()
+        """Every bucket's fp32 masters -> the gather's input (param shard or MXFP8 row); gather."""
+        self.param_sync.begin()
+        for index in self.param_sync.order:
+            self._publish(index)
+        self.param_sync.end()
 
     def start_param_sync(self) -> None:
         """Gather every bucket's updated shard from its pre-made view: with

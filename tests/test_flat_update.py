@@ -27,22 +27,24 @@ STEPS = 5
 
 
 # ---- plans, without tensors ----------------------------------------------------------
-def _place(offset: int, numel: int, *, storage: int = 0, group: int = 0, grad_offset: int | None = None) -> Place:
-    return Place(storage, 100 + storage, group, offset, offset if grad_offset is None else grad_offset, numel)
+def _place(offset: int, numel: int, *, storage: int = 0, group: int = 0, bucket: int = 0, grad_offset: int | None = None) -> Place:
+    return Place(storage, 100 + storage, group, bucket, offset, offset if grad_offset is None else grad_offset, numel)
 
 
 def test_adjacent_fragments_of_one_group_form_one_run_in_memory_order() -> None:
     places = [_place(64, 64), _place(0, 64), _place(128, 8)]
-    assert plan_runs(places) == (Run((1, 0, 2), 0, 0, 136, 0),)
+    assert plan_runs(places) == (Run((1, 0, 2), 0, 0, 0, 136, 0),)
 
 
-def test_padding_another_group_or_storage_ends_a_run() -> None:
+def test_padding_another_group_storage_or_bucket_ends_a_run() -> None:
     gap = [_place(0, 13), _place(16, 13)]
     assert [r.fragments for r in plan_runs(gap)] == [(0,), (1,)]
     groups = [_place(0, 64, group=0), _place(64, 64, group=1)]
     assert [(r.fragments, r.group) for r in plan_runs(groups)] == [((0,), 0), ((1,), 1)]
     storages = [_place(0, 64, storage=0), _place(64, 64, storage=1)]
     assert len(plan_runs(storages)) == 2
+    buckets = [_place(0, 64, bucket=1), _place(64, 64, bucket=0)]  # world 1: one bucket's shard ends where the next begins
+    assert [(r.fragments, r.bucket) for r in plan_runs(buckets)] == [((0,), 1), ((1,), 0)]
 
 
 def test_a_run_stops_growing_at_its_length_limit_and_a_longer_fragment_is_a_run_alone() -> None:
@@ -52,7 +54,7 @@ def test_a_run_stops_growing_at_its_length_limit_and_a_longer_fragment_is_a_run_
 
 def test_grads_that_are_not_adjacent_like_the_params_end_a_run() -> None:
     assert len(plan_runs([_place(0, 64, grad_offset=0), _place(64, 64, grad_offset=80)])) == 2
-    assert plan_runs([_place(0, 64, grad_offset=10), _place(64, 64, grad_offset=74)]) == (Run((0, 1), 0, 0, 128, 10),)
+    assert plan_runs([_place(0, 64, grad_offset=10), _place(64, 64, grad_offset=74)]) == (Run((0, 1), 0, 0, 0, 128, 10),)
 
 
 # ---- steps against plain torch.optim -------------------------------------------------

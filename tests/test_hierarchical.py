@@ -40,7 +40,7 @@ def _group(kind: str) -> Any:
     return init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
 
 
-def _train(kind: str, inner: Optional[str] = None, ckpt: Optional[str] = None, resume: bool = False) -> dict[str, Any]:
+def _train(kind: str, inner: Optional[str] = None, ckpt: Optional[str] = None, resume: bool = False, by_bucket: bool = True) -> dict[str, Any]:
     """fxzero (``kind``) on this rank's slice of each global batch, and one-process AdamW on
     the whole batch, side by side; with ``ckpt``: save after step 2 (or, ``resume``: load it
     and run steps 3..STEPS only)."""
@@ -48,7 +48,7 @@ def _train(kind: str, inner: Optional[str] = None, ckpt: Optional[str] = None, r
     torch.manual_seed(0)
     ref = GPT(ARGS)
     model = copy.deepcopy(ref)
-    config = fxzero.Config(clip_grad=CLIP, bucket_size=3000)
+    config = fxzero.Config(clip_grad=CLIP, bucket_size=3000, overlap_param_gather_with_optimizer_step=by_bucket)
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, process_group=_group(kind), module=model, config=config)
     run = model if inner is None else torch.compile(model, backend="fxzero", options={"inner_compiler": inner})
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
@@ -97,6 +97,9 @@ def test_two_instances_of_two_train_like_flat_world_4_and_one_process(inner: Opt
     and the instances' replicas end bitwise equal."""
     hier = run_ranks(4, _train, "hier", inner, timeout=300)
     flat = run_ranks(4, _train, "flat", inner, timeout=300)
+    if inner is None:  # the update bucket by bucket (the default) is bitwise the update of every shard first
+        whole = run_ranks(4, _train, "hier", None, None, False, False, timeout=300)
+        assert all(a["steps"] == b["steps"] and all(map(torch.equal, a["params"], b["params"])) for a, b in zip(hier, whole))
     _assert_parity(hier)
     _assert_parity(flat)
     for rank in range(4):

@@ -156,15 +156,16 @@ def _grad_norms(model: nn.Module) -> dict[str, float]:
 def _train_dp_tp(dp: int, tp: int, inner: str | None = None, overlap: bool = False, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
     """fxzero at dp x tp (eager, or compiled with ``backend="fxzero"`` and the ``inner``
     compiler) and one-process AdamW on the global batch, side by side."""
-    return _runs_dp_tp(dp, tp, inner, (overlap,), dtype)[0]
+    return _runs_dp_tp(dp, tp, inner, ((overlap, True),), dtype)[0]
 
 
 def _runs_dp_tp(
-    dp: int, tp: int, inner: str | None, overlaps: tuple[bool, ...], dtype: torch.dtype = torch.float32, args: Args = Args()
+    dp: int, tp: int, inner: str | None, overlaps: tuple[tuple[bool, bool], ...], dtype: torch.dtype = torch.float32, args: Args = Args()
 ) -> list[dict[str, Any]]:
-    """One run per entry of ``overlaps`` (``overlap_param_gather``), all through the same
-    compiled graphs (:func:`models.runs_from_initial_state`): compiled runs that differ only
-    in when gathers land."""
+    """One run per entry of ``overlaps`` (``overlap_param_gather``,
+    ``overlap_param_gather_with_optimizer_step``), all through the same compiled graphs
+    (:func:`models.runs_from_initial_state`): compiled runs that differ only in when gathers
+    launch and land."""
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
     base = TinyLlama(args)
@@ -174,9 +175,10 @@ def _runs_dp_tp(
     return runs_from_initial_state(model, overlaps, lambda overlap: _train_run(mesh, model, run, copy.deepcopy(base), overlap))
 
 
-def _train_run(mesh: Any, model: nn.Module, run: Any, ref: nn.Module, overlap: bool) -> dict[str, Any]:
+def _train_run(mesh: Any, model: nn.Module, run: Any, ref: nn.Module, overlaps: tuple[bool, bool]) -> dict[str, Any]:
     dp = mesh["dp"].size()
-    config = fxzero.Config(clip_grad=CLIP, bucket_size=4000, overlap_param_gather=overlap)
+    overlap, by_bucket = overlaps
+    config = fxzero.Config(clip_grad=CLIP, bucket_size=4000, overlap_param_gather=overlap, overlap_param_gather_with_optimizer_step=by_bucket)
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, process_group=mesh["dp"], module=model, config=config)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
     dp_group, dp_rank = mesh["dp"].get_group(), mesh["dp"].get_local_rank()
@@ -234,15 +236,17 @@ def test_dp2_tp2_trains_like_one_process_on_the_global_batch() -> None:
 def test_dp2_tp2_compiled_trains_like_one_process_and_overlap_is_bitwise(inner: str) -> None:
     """torch.compile(model, backend="fxzero") of the TP model: the same parity and norms as
     eager, and overlap_param_gather on gives bitwise the losses, norms and params of off
-    (through the same compiled graphs, compiled for the overlap run, so with their waits).
-    One block: it holds every placement (colwise, rowwise, sequence-parallel norms) and a
-    second only lengthens the cold compiles."""
-    runs = run_ranks(4, _runs_dp_tp, 2, 2, inner, (True, False), torch.float32, Args(layers=1), timeout=400)
-    on, off = [r[0] for r in runs], [r[1] for r in runs]
+    (through the same compiled graphs, compiled for the overlap run, so with their waits);
+    so does the update of every shard before the gathers (overlap_param_gather_with_optimizer_step
+    off) against the default, bucket by bucket. One block: it holds every placement (colwise,
+    rowwise, sequence-parallel norms) and a second only lengthens the cold compiles."""
+    configs = ((True, True), (False, True), (False, False))
+    runs = run_ranks(4, _runs_dp_tp, 2, 2, inner, configs, torch.float32, Args(layers=1), timeout=400)
+    on, off, whole = ([r[i] for r in runs] for i in range(3))
     _assert_parity(off)
-    for a, b in zip(off, on):
-        assert a["steps"] == b["steps"], (a["steps"], b["steps"])
-        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
+    for a, b, c in zip(off, on, whole):
+        assert a["steps"] == b["steps"] == c["steps"], (a["steps"], b["steps"], c["steps"])
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a["params"], b["params"], c["params"]))
 
 
 def _assert_parity(results: Any) -> None:

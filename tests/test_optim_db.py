@@ -1,6 +1,7 @@
 """Every configuration of torch's own optimizer test table (``optim_db``) through fxzero.
 
-Each configuration is exact or refused with its real cause:
+Each configuration is exact or refused with its real cause (at world 2, stepping bucket by
+bucket, each gather launched as its shard is done, is bitwise the whole update too):
 
 * the 11 elementwise classes (``ELEMENTWISE_OPTIMIZERS``) run on 1-D fragments: bitwise like
   plain ``torch.optim`` at world 1, within 1e-6 at world 2 (plain torch.optim there steps on
@@ -100,17 +101,24 @@ def test_optim_db_configuration_is_exact_or_refused_with_the_cause(cls: type, kw
 
 def _sweep_world_2(configs: list[tuple[type, dict, str]]) -> dict[str, dict[str, float]]:
     """On each rank: fxzero on this rank's batches vs plain torch.optim on the average of both
-    ranks' gradients (computed here from both batches); max |difference| per param."""
+    ranks' gradients (computed here from both batches); max |difference| per param. A second
+    fxzero run updates every shard before gathering (``overlap_param_gather_with_optimizer_step``
+    off: the step before it was bucket by bucket); ``"apart"``: its largest difference."""
     rank, out = dist.get_rank(), {}
     for cls, kwargs, name in configs:
-        model, reference = _Model(), _Model()
+        model, reference, whole = _Model(), _Model(), _Model()
         plain = cls(_params(reference, cls), **copy.deepcopy(kwargs))
-        opt = fxzero.DistributedOptimizer(_params(model, cls), cls, config=fxzero.Config(bucket_size=40), **copy.deepcopy(kwargs))
+        opts = [
+            fxzero.DistributedOptimizer(_params(m, cls), cls, config=fxzero.Config(bucket_size=40, overlap_param_gather_with_optimizer_step=by_bucket),
+                                        **copy.deepcopy(kwargs))
+            for m, by_bucket in ((model, True), (whole, False))
+        ]  # fmt: skip
         for step in range(STEPS):
             batches = [torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * step + r)) for r in range(2)]
-            model(batches[rank]).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
+            for m, opt in zip((model, whole), opts):
+                m(batches[rank]).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
             grads = []
             for batch in batches:
                 reference.zero_grad()
@@ -119,12 +127,15 @@ def _sweep_world_2(configs: list[tuple[type, dict, str]]) -> dict[str, dict[str,
             for p, g0, g1 in zip(reference.parameters(), *grads):
                 p.grad = (g0 + g1) / 2
             plain.step()
-        out[name] = _differences(model, reference) | {"whole_params": float(opt.whole_params)}
+        apart = max(_differences(model, whole).values())
+        out[name] = _differences(model, reference) | {"whole_params": float(opts[0].whole_params), "apart": apart}
     return out
 
 
 @pytest.mark.slow
 def test_optim_db_at_world_2_matches_plain_torch_optim_on_averaged_gradients() -> None:
+    """Also: each configuration's update bucket by bucket, each gather launched as its shard
+    is done (the default), is bitwise the update of every shard before the gathers."""
     configs = [c for c in _CONFIGS if c[0] not in (torch.optim.LBFGS, torch.optim.SparseAdam)]
     assert len(configs) == len(_CONFIGS) - 9 == 82  # LBFGS's 5 and SparseAdam's 4 are refused; every other one runs
     results = run_ranks(2, _sweep_world_2, configs, timeout=600)
@@ -132,6 +143,7 @@ def test_optim_db_at_world_2_matches_plain_torch_optim_on_averaged_gradients() -
         for cls, _, name in configs:
             diffs = dict(result[name])
             assert diffs.pop("whole_params") == float(cls not in ELEMENTWISE_OPTIMIZERS), name
+            assert diffs.pop("apart") == 0.0, f"{name}: the update bucket by bucket is not bitwise the whole update's"
             assert max(diffs.values()) <= 1e-6, f"{name}: {diffs}"
 
 

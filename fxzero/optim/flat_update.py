@@ -42,11 +42,12 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .. import _torch_compat as compat
+from .bucketed_update import BucketParts, step_each_bucket
 from .shards import FragmentTensor
 from .state_dict import NOT_HYPERPARAMETERS, hyperparameters
 from .validation import ELEMENTWISE_OPTIMIZERS
 
-__all__ = ["MAX_RUN_NUMEL", "FlatUpdate", "Place", "Run", "flat_update_applies", "plan_runs"]
+__all__ = ["MAX_RUN_NUMEL", "ByBucket", "FlatUpdate", "Place", "Run", "flat_update_applies", "plan_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +59,7 @@ class Run:
 
     fragments: tuple[int, ...]
     group: int
+    bucket: int
     start: int
     stop: int
     grad_start: int
@@ -66,11 +68,12 @@ class Run:
 @dataclasses.dataclass(frozen=True)
 class Place:
     """Where one fragment lies: its param and grad storages (their addresses), param group,
-    offsets in each storage and length."""
+    bucket, offsets in each storage and length."""
 
     storage: int
     grad_storage: int
     group: int
+    bucket: int
     offset: int
     grad_offset: int
     numel: int
@@ -83,21 +86,21 @@ longer than this is a run of its own, as before."""
 
 
 def plan_runs(places: Sequence[Place], max_numel: int = MAX_RUN_NUMEL) -> tuple[Run, ...]:
-    """Runs of fragments adjacent in both storages and of one group, each at most
-    ``max_numel`` long unless one fragment is: a gap (padding), another storage or group,
-    or the length ends a run."""
+    """Runs of fragments adjacent in both storages and of one group and bucket, each at most
+    ``max_numel`` long unless one fragment is: a gap (padding), another storage, group or
+    bucket (the update may step one bucket at a time), or the length ends a run."""
     runs: list[Run] = []
-    keys: list[tuple[int, int, int]] = []
+    keys: list[tuple[int, int, int, int]] = []
     order = sorted(range(len(places)), key=lambda i: (places[i].storage, places[i].offset))
     for i in order:
         p = places[i]
-        key = (p.storage, p.grad_storage, p.group)
+        key = (p.storage, p.grad_storage, p.group, p.bucket)
         last = runs[-1] if runs else None
         adjacent = last is not None and keys[-1] == key and last.stop == p.offset and last.grad_start + (last.stop - last.start) == p.grad_offset
         if adjacent and last.stop + p.numel - last.start <= max_numel:  # type: ignore[union-attr]
             runs[-1] = dataclasses.replace(last, fragments=last.fragments + (i,), stop=p.offset + p.numel)
         else:
-            runs.append(Run((i,), p.group, p.offset, p.offset + p.numel, p.grad_offset))
+            runs.append(Run((i,), p.group, p.bucket, p.offset, p.offset + p.numel, p.grad_offset))
             keys.append(key)
     return tuple(runs)
 
@@ -110,21 +113,43 @@ def flat_update_applies(optimizer_class: type, fragments: Sequence[FragmentTenso
     return all(f.param.device.type == "cpu" and f.param.dtype == torch.float32 and f.param.dim() == 1 for f in fragments)
 
 
-def _place(frag: FragmentTensor, group: int) -> Place:
+def _place(frag: FragmentTensor, group: int, bucket: int) -> Place:
     param, grad = frag.param, frag.grad
-    return Place(_storage(param), _storage(grad), group, param.storage_offset(), grad.storage_offset(), param.numel())
+    return Place(_storage(param), _storage(grad), group, bucket, param.storage_offset(), grad.storage_offset(), param.numel())
 
 
 def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
 
 
+@dataclasses.dataclass(frozen=True)
+class ByBucket:
+    """Step one bucket at a time, in ``order``, calling ``after(bucket)`` after each
+    (:mod:`fxzero.optim.bucketed_update`)."""
+
+    order: tuple[int, ...]
+    after: Callable[[int], None]
+
+
 class FlatUpdate:
     """Steps the wrapped optimizer ``local`` through its twin where that is exact."""
 
-    def __init__(self, local: torch.optim.Optimizer, fragments: Sequence[FragmentTensor], groups: Sequence[int], kwargs: dict[str, Any]) -> None:
-        """``groups[i]``: the param group of ``fragments[i]``; ``kwargs``: what ``local`` was built with."""
+    def __init__(
+        self,
+        local: torch.optim.Optimizer,
+        fragments: Sequence[FragmentTensor],
+        groups: Sequence[int],
+        buckets: Sequence[int],
+        kwargs: dict[str, Any],
+        *,
+        bucket_count: int,
+    ) -> None:
+        """``groups[i]``, ``buckets[i]``: the param group and bucket of ``fragments[i]`` (of
+        ``bucket_count``: a rank may own nothing in some); ``kwargs``: what ``local`` was built with."""
         self.local, self.fragments = local, tuple(fragments)
+        count = bucket_count
+        bucket_of = dict(zip(map(id, (f.param for f in self.fragments)), buckets))
+        self._local_parts = BucketParts([g["params"] for g in local.param_groups], lambda t: bucket_of[id(t)], count)
         self.twin: Optional[torch.optim.Optimizer] = None
         """The wrapped class over one flat tensor per run; ``None`` where it does not apply."""
         self.flat_steps = 0
@@ -134,7 +159,7 @@ class FlatUpdate:
         self._params = [f.param for f in self.fragments]
         if not flat_update_applies(type(local), self.fragments):
             return
-        self.runs = plan_runs([_place(f, g) for f, g in zip(self.fragments, groups)])
+        self.runs = plan_runs([_place(f, g, b) for f, g, b in zip(self.fragments, groups, buckets)])
         twin_groups = [hyperparameters(g) | {"params": []} for g in local.param_groups]
         self._flats = [self._flat(run) for run in self.runs]
         for run, flat in zip(self.runs, self._flats):
@@ -145,6 +170,8 @@ class FlatUpdate:
         """(index of the wrapped optimizer's group, the twin's group): by index, since the wrapped
         optimizer's ``load_state_dict`` replaces its group dicts."""
         self._twin_step = compat.unhooked_step(self.twin)
+        run_bucket = {id(flat): run.bucket for run, flat in zip(self.runs, self._flats)}
+        self._twin_parts = BucketParts([g["params"] for g in self.twin.param_groups], lambda t: run_bucket[id(t)], count)
 
     def _flat(self, run: Run) -> torch.Tensor:
         first = self.fragments[run.fragments[0]]
@@ -153,22 +180,29 @@ class FlatUpdate:
         return flat
 
     # ---- the step ---------------------------------------------------------------
-    def step(self, local_step: Callable[[], Any]) -> None:
+    def step(self, local_step: Callable[[], Any], by_bucket: Optional[ByBucket] = None) -> None:
         """Update every fragment (each got a gradient): through the twin while homed, else
-        ``local_step()``, fragment by fragment."""
+        ``local_step()``, fragment by fragment; one bucket at a time with ``by_bucket``."""
         if self._ready():
             self._sync_hyperparameters()
-            self._twin_step()
+            self._run(self.twin.param_groups, self._twin_parts, self._twin_step, by_bucket)  # type: ignore[union-attr]
             self._after_twin_step()
             self.flat_steps += 1
         else:
-            local_step()
+            self._run(self.local.param_groups, self._local_parts, local_step, by_bucket)
 
-    def step_apart(self, local_step: Callable[[], Any]) -> None:
+    def step_apart(self, local_step: Callable[[], Any], by_bucket: Optional[ByBucket] = None) -> None:
         """A step that hides some fragments: only the wrapped optimizer can skip them, and
         their step counts then fall behind their runs' (homing is tried again after)."""
         self._homed = False
-        local_step()
+        self._run(self.local.param_groups, self._local_parts, local_step, by_bucket)
+
+    @staticmethod
+    def _run(groups: list[dict[str, Any]], parts: BucketParts, step: Callable[[], Any], by_bucket: Optional[ByBucket]) -> None:
+        if by_bucket is None:
+            step()
+        else:
+            step_each_bucket(groups, parts, by_bucket.order, step, by_bucket.after)
 
     def _ready(self) -> bool:
         if self.twin is None or any(g.get("fused") or g.get("differentiable") for g in self.local.param_groups):

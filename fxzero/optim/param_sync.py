@@ -59,7 +59,7 @@ from .buffers import Bucket
 from .comm import DataParallelGroup
 from .param_table import ParamTable
 
-__all__ = ["Gather", "ParamSync", "PlainGather", "as_words", "install_param_waits", "written_in_flight"]
+__all__ = ["Gather", "ParamSync", "PlainGather", "Publish", "as_words", "install_param_waits", "written_in_flight"]
 
 _VERSION = operator.attrgetter("_version")
 
@@ -160,12 +160,27 @@ class ParamSync:
         """Each bucket's own shard as the gathers launched (overlap on): what a write is found against."""
         self._words = [(as_words(c), as_words(o)) for c, o in zip(self._launched_values, own)]
         self._copying = False
+        self._leave_in_flight = False
+        """This step's gathers stay in flight when it returns (overlap on, no profiler running)."""
         self.written: list[int] = []
         """Buckets whose own shard was written while the gathers were in flight, until :meth:`take_written`."""
 
     def start(self) -> None:
-        """The step updated every shard: gather them (launch all, or launch all and wait)."""
-        if self.dp.size == 1 and not self.gather.needs_landing:
+        """Every shard is updated: gather them all (launch all, or launch all and wait)."""
+        self.begin()
+        for index in self.order:
+            self.launch(index)
+        self.end()
+
+    @property
+    def active(self) -> bool:
+        """Whether a step has gathers to run (or buckets to land)."""
+        return self.dp.size > 1 or self.gather.needs_landing
+
+    def begin(self) -> None:
+        """A step starts updating shards: from now on every bucket is stale until its gather
+        lands. :meth:`launch` follows for each bucket in :attr:`order`, then :meth:`end`."""
+        if not self.active:
             return
         for index in range(len(self.buckets)):
             self._stale[index] = True
@@ -173,11 +188,27 @@ class ParamSync:
         self._next_launch = 0
         # Under torch.profiler the gathers finish inside the step: a profiler that stops
         # while gloo work started under it is in flight crashed the next wait (torch 2.13).
-        if self.overlap and not profiler_enabled():
-            for copy, own in self._words:
-                copy.copy_(own)
+        self._leave_in_flight = self.overlap and not profiler_enabled()
+
+    def launch(self, index: int) -> None:
+        """Bucket ``index``'s shard is updated and published: launch its gather (buckets come
+        in :attr:`order`, as every rank launches them: the same sequence of collectives)."""
+        if not self.active:
+            return
+        if self.order[self._next_launch] != index:
+            raise RuntimeError(f"fxzero: bucket {index}'s gather launched out of order (expected bucket {self.order[self._next_launch]})")
+        if self._leave_in_flight:
+            copy, own = self._words[index]
+            copy.copy_(own)
+        self._launch_next()
+
+    def end(self) -> None:
+        """Every bucket's gather is launched: with overlap, leave them to the next forward's
+        waits (noting the params' versions, :meth:`_check_untouched`); else wait for them all."""
+        if not self.active:
+            return
+        if self._leave_in_flight:
             self._copying = True
-            self._launch_through(len(self.order) - 1)
             self._launched_versions = list(map(_VERSION, self._params))
         else:
             self.finish()
@@ -276,6 +307,19 @@ class ParamSync:
     def pending(self) -> tuple[bool, ...]:
         """Which buckets still hold values older than the last step."""
         return tuple(self._stale)
+
+
+class Publish:
+    """What follows a bucket's update: its fp32 masters become the gather's input (the param
+    shard, or an MXFP8 row), and its gather is launched (:meth:`ParamSync.launch`). Holds the
+    parts, not the optimizer, so the step plan does not keep the optimizer alive."""
+
+    def __init__(self, sync: ParamSync, mains: Sequence[torch.Tensor]) -> None:
+        self.sync, self.gather, self.mains = sync, sync.gather, tuple(mains)
+
+    def __call__(self, index: int) -> None:
+        self.gather.publish(index, self.mains[index])
+        self.sync.launch(index)
 
 
 def written_in_flight(detail: Optional[str], ranks: int) -> RuntimeError:
