@@ -1,31 +1,38 @@
-"""Param all-gather overlap: step time with ``Config.overlap_param_gather`` on vs off, and
-how much of each bucket's gather the next forward hides.
+"""Param all-gathers: the step time of each way to run them, and where their time goes.
 
     python benchmarks/param_gather_overlap.py [--steps N] [--warmup W]
 
 One run, 2 gloo ranks (``fxzero.testing``, 1 thread each), the GPT of
 ``examples/train_gpt.py`` (3.25M params, tied embedding/head), seq 128, batch 8 per rank,
 AdamW, ``Config(bucket_size=1_000_000)``, ``torch.compile(model, backend="fxzero")``
-(Inductor inside). Both configs run in the same rank function, one after the other
-("off" then "on"), each on a fresh model + optimizer from the same seed and the same
-batches, with ``torch._dynamo.reset()`` between them (each compiles once).
+(Inductor inside). Four configs run in the same rank function, one after the other, each on
+a fresh model + optimizer from the same seed and the same batches, with
+``torch._dynamo.reset()`` between them (each compiles once):
+
+* **default** (``overlap_param_gather=False``, ``overlap_param_gather_with_optimizer_step=True``):
+  ``step()`` updates one bucket at a time and launches its gather as soon as its shard is
+  done; it returns once every gather has landed.
+* **before** (both off: the default until issue 47): ``step()`` updates every shard, then
+  gathers every bucket and waits.
+* **opt-in overlap** (``overlap_param_gather=True``, with-step on): ``step()`` launches the
+  gathers bucket by bucket and returns; the next forward waits for each bucket right before
+  its first reader.
+* **opt-in overlap, whole update** (``overlap_param_gather=True``, with-step off).
 
 1. **Step time**: forward + backward + opt.step + zero_grad, timed on each rank after a
    barrier; per step the slower rank's time; median over the timed steps after the
-   warm-up; also the median forward and opt.step times (slower rank). With overlap off,
-   ``step()`` launches and waits every gather (the default); with it on, ``step()``
-   launches every bucket's gather and the forward waits for each bucket right before its
-   first reader (``fxzero::wait_params``).
-2. **Per bucket (overlap on)**, from monkeypatched ``ParamSync._launch_next`` / ``wait``:
-   *in flight* = time from the bucket's gather launch to the start of its ``work.wait()``
-   (compute done meanwhile), *exposed wait* = time blocked in ``work.wait()``; median over
-   timed steps of the slower rank's value, and the exposed wait as % of the median forward.
-   Every bucket is launched at the end of ``step()``: in-flight times span the zero_grad,
-   the barrier between steps (gloo's barrier waits for in-flight work, so the gathers are
-   done by the forward), the batch fetch and the forward up to the bucket's first reader.
+   warm-up; also the median forward and opt.step times (slower rank). Ratios of the default
+   to the opt-in overlap mode and to "before". (gloo's barrier waits for in-flight work, so
+   with opt-in overlap the gathers still in flight at the end of a step finish in the
+   untimed barrier: the ratio to that mode is a bound on what the default can reach.)
+2. **Per bucket, default**, from monkeypatched ``ParamSync``/``Publish``: *update* = time from
+   the previous bucket's launch (or the update's start) to this bucket's publish, *in
+   flight* = from its launch to the start of its ``work.wait()``, *exposed wait* = time
+   blocked in ``work.wait()``.
+3. **Per bucket, opt-in overlap**: in flight and exposed wait in the next forward.
 
-Target: with overlap on, no forward wait longer than 5% of the forward time after the
-first bucket (every bucket but ``order[0]``: median exposed wait <= 5% of median forward).
+Targets: the default's step time <= 1.02x the opt-in overlap mode's; with overlap on, no
+forward wait longer than 5% of the forward time after the first bucket.
 """
 
 from __future__ import annotations
@@ -47,17 +54,22 @@ from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E40
 
 import fxzero  # noqa: E402
 import fxzero.backend  # noqa: E402, F401  (registers the "fxzero" backend)
-from fxzero.optim.param_sync import ParamSync  # noqa: E402
+from fxzero.optim.param_sync import ParamSync, Publish  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 
-WORLD, BUCKET, TARGET = 2, 1_000_000, 0.05
+WORLD, BUCKET, TARGET, STEP_TARGET = 2, 1_000_000, 0.05, 1.02
 BATCH = types.SimpleNamespace(seq=128, global_batch=8 * WORLD)  # what get_batch reads
-CONFIGS = (("off", False), ("on", True))
+CONFIGS = {  # label: (overlap_param_gather, overlap_param_gather_with_optimizer_step)
+    "default": (False, True),
+    "before": (False, False),
+    "opt-in overlap": (True, True),
+    "opt-in overlap, whole update": (True, False),
+}
 
 
 # ---- on every rank ----------------------------------------------------------------------
 class _TimedWork:
-    """Wraps a gather's Work: records when the forward blocks on it and for how long."""
+    """Wraps a gather's Work: records when something blocks on it and for how long."""
 
     def __init__(self, work, index: int, launched: float, waits: list) -> None:
         self.work, self.index, self.launched, self.waits = work, index, launched, waits
@@ -70,22 +82,31 @@ class _TimedWork:
 
 
 @contextlib.contextmanager
-def _instrumented(launched: dict, waits: list):
-    """Record each gather's launch time (by bucket) and the span of its ``work.wait()``;
-    ParamSync's own wait logic runs unchanged."""
-    orig_launch = ParamSync._launch_next
+def _instrumented(marks: dict, waits: list):
+    """Record when the step starts updating (``ParamSync.begin``), when each bucket is
+    published (its update done), its gather's launch, and the span of its ``work.wait()``;
+    fxzero's own logic runs unchanged."""
+    orig_launch, orig_begin, orig_publish = ParamSync._launch_next, ParamSync.begin, Publish.__call__
 
     def _launch_next(self):
         index = self.order[self._next_launch]
-        launched[index] = time.perf_counter()
+        marks.setdefault("launched", {})[index] = time.perf_counter()
         orig_launch(self)
-        self._works[index] = _TimedWork(self._works[index], index, launched[index], waits)
+        self._works[index] = _TimedWork(self._works[index], index, marks["launched"][index], waits)
 
-    ParamSync._launch_next = _launch_next
+    def begin(self):
+        marks["begin"] = time.perf_counter()
+        orig_begin(self)
+
+    def publish(self, index):
+        marks.setdefault("published", {})[index] = time.perf_counter()
+        orig_publish(self, index)
+
+    ParamSync._launch_next, ParamSync.begin, Publish.__call__ = _launch_next, begin, publish
     try:
         yield
     finally:
-        ParamSync._launch_next = orig_launch
+        ParamSync._launch_next, ParamSync.begin, Publish.__call__ = orig_launch, orig_begin, orig_publish
 
 
 def _span(names: list[str]) -> str:
@@ -94,24 +115,24 @@ def _span(names: list[str]) -> str:
     return " + ".join(([f"layers {','.join(map(str, blocks))}"] if blocks else []) + other)
 
 
-def _run_config(overlap: bool, data: torch.Tensor, steps: int, warmup: int) -> dict:
+def _run_config(overlap: bool, with_step: bool, data: torch.Tensor, steps: int, warmup: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = Transformer(ModelArgs())
     params = list(model.parameters())
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    opt = fxzero.DistributedOptimizer(groups, torch.optim.AdamW, lr=2e-3, betas=(0.9, 0.95), module=model,
-                                      config=fxzero.Config(bucket_size=BUCKET, overlap_param_gather=overlap))
+    config = fxzero.Config(bucket_size=BUCKET, overlap_param_gather=overlap, overlap_param_gather_with_optimizer_step=with_step)
+    opt = fxzero.DistributedOptimizer(groups, torch.optim.AdamW, lr=2e-3, betas=(0.9, 0.95), module=model, config=config)
     cmodel = torch.compile(model, backend="fxzero")
-    out = {"step": [], "fwd": [], "opt": [], "losses": [], "waits": []}
-    launched: dict = {}
+    out = {"step": [], "fwd": [], "opt": [], "losses": [], "buckets_timed": []}
+    marks: dict = {}
     waits: list = []
-    with _instrumented(launched, waits):
+    with _instrumented(marks, waits):
         for step in range(1, warmup + steps + 1):
             x, y = get_batch(data, step, BATCH, rank, world, torch.device("cpu"))
             dist.barrier()
-            waits.clear()
+            waits.clear(), marks.clear()
             t0 = time.perf_counter()
             loss = cmodel(x, y)
             t1 = time.perf_counter()
@@ -124,20 +145,37 @@ def _run_config(overlap: bool, data: torch.Tensor, steps: int, warmup: int) -> d
             out["losses"].append(loss.item())
             if step > warmup:
                 out["step"].append(t4 - t0), out["fwd"].append(t1 - t0), out["opt"].append(t3 - t2)
-                # (bucket, in flight, exposed, wait start into the forward, in forward?)
-                out["waits"].append({i: (s - l, e - s, s - t0, t0 <= s <= t1) for i, l, s, e in waits})
+                # the gathers waited in this step (the forward's: the previous step's gathers)
+                # bucket -> (in flight, exposed, wait start into the forward, waited in the forward?)
+                out.setdefault("waits", []).append({i: (s - l, e - s, s - t0, t0 <= s <= t1) for i, l, s, e in waits})
+                out["buckets_timed"].append(_bucket_times(marks, waits, t2))
+    opt.finish_param_sync()
     names = {id(p): n for n, p in model.named_parameters()}
     out["order"] = list(opt.param_sync.order)
     out["buckets"] = {b.index: (b.param_data.numel(), _span([names[id(p)] for p in b.params])) for b in opt.buckets}
+    out["params"] = [p.detach().clone() for p in model.parameters()]
+    return out
+
+
+def _bucket_times(marks: dict, waits: list, backward_end: float) -> dict:
+    """This step's per-bucket update, gather in flight and wait inside ``step()`` (ms)."""
+    published, launched = marks.get("published", {}), marks.get("launched", {})
+    previous, out = marks.get("begin", backward_end), {}
+    in_step = {i: (s, e) for i, _, s, e in waits if s >= marks.get("begin", backward_end)}
+    for index in sorted(published, key=published.get):
+        update = published[index] - previous
+        previous = launched.get(index, published[index])
+        start, end = in_step.get(index, (previous, previous))
+        out[index] = (update, start - launched.get(index, start), end - start)
     return out
 
 
 def _rank_main(steps: int, warmup: int) -> dict:
     data = torch.frombuffer(bytearray(load_bytes(None)), dtype=torch.uint8).long()
     results = {}
-    for label, overlap in CONFIGS:
+    for label, (overlap, with_step) in CONFIGS.items():
         torch._dynamo.reset()
-        results[label] = _run_config(overlap, data, steps, warmup)
+        results[label] = _run_config(overlap, with_step, data, steps, warmup)
     return results
 
 
@@ -150,6 +188,53 @@ def _ms(values) -> float:
     return 1e3 * statistics.median(values)
 
 
+def _step_table(res: list[dict]) -> dict:
+    med = {label: {k: _ms(_worst(res, label, k)) for k in ("step", "fwd", "opt")} for label in CONFIGS}
+    rows = [[label, f"overlap_param_gather={o}, with_optimizer_step={w}", f"{med[label]['step']:.1f}", f"{med[label]['fwd']:.1f}",
+             f"{med[label]['opt']:.1f}", f"{res[0][label]['losses'][-1]:.4f}"] for label, (o, w) in CONFIGS.items()]
+    print("## step time (median ms, slower rank per step)\n")
+    print(tabulate(rows, headers=["config", "Config", "step", "forward", "opt.step", "final loss (rank 0)"],
+                   tablefmt="github", disable_numparse=True))
+    return med
+
+
+def _default_breakdown(res: list[dict]) -> None:
+    runs = [r["default"] for r in res]
+    order, rows = runs[0]["order"], []
+    per_step = list(zip(*(r["buckets_timed"] for r in runs)))  # per timed step, each rank's records
+    for pos, index in enumerate(order):
+        cols = [_ms([max(rank[index][k] for rank in s) for s in per_step]) for k in range(3)]
+        numel, span = runs[0]["buckets"][index]
+        rows.append([pos, index, f"{numel:,}", span, *(f"{c:.2f}" for c in cols)])
+    print(f"\n## per bucket, default (median over {len(per_step)} timed steps of the slower rank; inside opt.step)\n")
+    print(tabulate(rows, headers=["update pos", "bucket", "elements", "params", "update ms", "gather in flight ms", "exposed wait ms"],
+                   tablefmt="github", disable_numparse=True))
+    print("\n(update: from the previous bucket's launch, or the update's start, to this bucket's publish; in flight: from its launch "
+          "to the start of its wait, which comes after every bucket is updated.)")
+
+
+def _overlap_breakdown(res: list[dict], fwd: float) -> float:
+    on = [r["opt-in overlap"] for r in res]
+    order, rows, worst = on[0]["order"], [], 0.0
+    steps = list(zip(*(r["waits"] for r in on)))
+    for pos, index in enumerate(order):
+        per = [[w[index] for w in s if index in w] for s in steps]
+        flight = _ms([max(v[0] for v in s) for s in per if s])
+        exposed = _ms([max(v[1] for v in s) for s in per if s])
+        at = _ms([max(v[2] for v in s) for s in per if s])
+        inside = sum(all(v[3] for v in s) for s in per if s)
+        numel, span = on[0]["buckets"][index]
+        if pos > 0:
+            worst = max(worst, exposed / fwd)
+        rows.append([pos, index, f"{numel:,}", span, f"{flight:.2f}", f"{exposed:.3f}", f"{exposed / fwd:.2%}", f"{at:.2f}",
+                     f"{inside}/{len(per)}"])
+    print(f"\n## per bucket, opt-in overlap (median over {len(steps)} timed steps of the slower rank; forward median {fwd:.1f} ms)\n")
+    print(tabulate(rows, headers=["fwd pos", "bucket", "elements", "params", "in flight ms", "exposed wait ms",
+                                  "% of forward", "wait at ms into fwd", "waited in fwd"],
+                   tablefmt="github", disable_numparse=True))
+    return worst
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="timed steps per config")
@@ -157,7 +242,7 @@ def main() -> None:
     args = p.parse_args()
     if args.steps < 1 or args.warmup < 2:
         p.error("need --steps >= 1 and --warmup >= 2")
-    print(f"# param all-gather overlap — torch {torch.__version__}, gloo, {WORLD} ranks x 1 thread, "
+    print(f"# param all-gathers — torch {torch.__version__}, gloo, {WORLD} ranks x 1 thread, "
           f"GPT seq {BATCH.seq} batch {BATCH.global_batch // WORLD}/rank, bucket_size {BUCKET:,}; "
           f"{args.warmup} warm-up + {args.steps} timed steps per config\n")
     start = time.perf_counter()
@@ -166,46 +251,18 @@ def main() -> None:
     finally:
         close_pools()
     print(f"(ran in {time.perf_counter() - start:.0f} s)\n")
-
-    med = {label: {k: _ms(_worst(res, label, k)) for k in ("step", "fwd", "opt")} for label, _ in CONFIGS}
-    rows = [[f"overlap_param_gather={label == 'on'}", f"{m['step']:.1f}", f"{m['fwd']:.1f}", f"{m['opt']:.1f}",
-             f"{res[0][label]['losses'][-1]:.4f}"] for label, m in med.items()]
-    print("## step time (median ms, slower rank per step)\n")
-    print(tabulate(rows, headers=["config", "step", "forward", "opt.step", "final loss (rank 0)"],
-                   tablefmt="github", disable_numparse=True))
-    ratio = med["on"]["step"] / med["off"]["step"]
-    same = all(r["on"]["losses"] == r["off"]["losses"] for r in res)
-    print(f"\nstep time on / off = {ratio:.3f}x; forward on - off = {med['on']['fwd'] - med['off']['fwd']:+.1f} ms; "
-          f"opt.step on - off = {med['on']['opt'] - med['off']['opt']:+.1f} ms; losses identical on/off: {same}")
-    blocked = {label: _ms([max(sum(v[1] for v in w.values()) for w in ws) for ws in zip(*(r[label]["waits"] for r in res))])
-               for label, _ in CONFIGS}  # per step: slower rank's total time inside work.wait()
-    print(f"time blocked in gather waits per step (median, slower rank): off {blocked['off']:.1f} ms (in step()), "
-          f"on {blocked['on']:.1f} ms (in the forward)\n")
-
-    on, fwd = [r["on"] for r in res], med["on"]["fwd"]
-    order, rows, worst = on[0]["order"], [], 0.0
-    steps = list(zip(*(r["waits"] for r in on)))  # per timed step, each rank's records
-    for pos, index in enumerate(order):
-        per = [[w[index] for w in s if index in w] for s in steps]
-        flight = _ms([max(v[0] for v in s) for s in per if s])
-        exposed = _ms([max(v[1] for v in s) for s in per if s])
-        at = _ms([max(v[2] for v in s) for s in per if s])
-        inside = sum(all(v[3] for v in s) for s in per if s)
-        numel, span = on[0]["buckets"][index]
-        share = exposed / fwd
-        if pos > 0:
-            worst = max(worst, share)
-        rows.append([pos, index, f"{numel:,}", span, f"{flight:.2f}", f"{exposed:.3f}", f"{share:.2%}", f"{at:.2f}",
-                     f"{inside}/{len(per)}"])
-    print(f"## per bucket, overlap on (median over {len(on[0]['waits'])} timed steps of the slower rank; "
-          f"forward median {fwd:.1f} ms)\n")
-    print(tabulate(rows, headers=["fwd pos", "bucket", "elements", "params", "in flight ms", "exposed wait ms",
-                                  "% of forward", "wait at ms into fwd", "waited in fwd"],
-                   tablefmt="github", disable_numparse=True))
-    print("\n(every bucket is launched at the end of the previous step(): in flight spans zero_grad, barrier, batch fetch and "
-          "the forward up to its first reader.)\n")
+    med = _step_table(res)
+    step = {label: m["step"] for label, m in med.items()}
+    same = all(r[a]["losses"] == r["before"]["losses"] for r in res for a in CONFIGS)
+    params = all(torch.equal(x, y) for r in res for a in CONFIGS for x, y in zip(r[a]["params"], r["before"]["params"]))
+    print(f"\ndefault / opt-in overlap = {step['default'] / step['opt-in overlap']:.3f}x (target <= {STEP_TARGET}x); "
+          f"default / before = {step['default'] / step['before']:.3f}x; opt.step default - before = "
+          f"{med['default']['opt'] - med['before']['opt']:+.1f} ms")
+    print(f"losses identical in all four configs: {same}; final params bitwise equal to 'before' in all four: {params}")
+    _default_breakdown(res)
+    worst = _overlap_breakdown(res, med["opt-in overlap"]["fwd"])
     verdict = "PASS" if worst <= TARGET else "FAIL"
-    print(f"target: with overlap on, no forward wait longer than {TARGET:.0%} of the forward time after the first "
+    print(f"\ntarget: with overlap on, no forward wait longer than {TARGET:.0%} of the forward time after the first "
           f"bucket: worst {worst:.2%} -> {verdict}")
 
 
