@@ -129,6 +129,7 @@ def test_every_message_troubleshooting_lists_is_still_raised():
     assert len(messages) >= 150, len(messages)
     gone = [m for m in messages if not in_source(m, literals)]
     assert not gone, gone
+    assert not in_source("fxzero: a message … never raised", literals)
 
 
 def test_the_troubleshooting_page_covers_every_raise_of_fxzero():
