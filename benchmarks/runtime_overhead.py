@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import fxzero
+from fxzero.optim import ParamAndGradBuffer, plan_buckets
 from fxzero.testing import close_pools, run_ranks
 
 # ---- table 1: shard views on the step path -------------------------------------------
@@ -67,8 +68,8 @@ def _median_us_per_step(fn, *args) -> float:
 
 def hot_path_table() -> None:
     params = [nn.Parameter(torch.randn(PARAM_NUMEL)) for _ in range(NUM_BUCKETS)]
-    plan = fxzero.plan_buckets(params, dp_size=DP, bucket_size=PARAM_NUMEL)
-    buckets = fxzero.ParamAndGradBuffer(params, plan, grad_dtype=torch.float32).buckets
+    plan = plan_buckets(params, dp_size=DP, bucket_size=PARAM_NUMEL)
+    buckets = ParamAndGradBuffer(params, plan, grad_dtype=torch.float32).buckets
     assert len(buckets) == NUM_BUCKETS, len(buckets)
     # Shard bounds are precomputed so only the slicing itself is timed (the old path
     # also recomputed numel // dp per bucket, which would only make it slower).

@@ -13,18 +13,7 @@ from .explainer import explain
 from .parity import ParityReport, parity
 from .distributed_optimizer import DistributedOptimizer, StepResult
 from .version import __version__
-from .optim import (
-    Bucket,
-    BucketPlan,
-    BufferPlan,
-    CollectiveError,
-    Fragment,
-    ParamAndGradBuffer,
-    ShardedGrad,
-    plan_buckets,
-    shard_buffer,
-    shard_fragments,
-)
+from .optim import CollectiveError
 
 
 def _register_torch_logs() -> None:
@@ -55,19 +44,16 @@ def __getattr__(name: str) -> Any:
 def __dir__() -> list[str]:
     return sorted(set(globals()) | _CHECKPOINT)
 
+
+# The user API, what docs/api.md documents. The runtime's parts (layout plans, buffers,
+# shards, the sharded grad) are fxzero.optim's: importable, but not a promise.
 __all__ = [
     "__version__",
-    "Bucket",
-    "BucketPlan",
-    "BufferPlan",
     "CheckpointError",
     "CollectiveError",
     "Config",
     "DistributedOptimizer",
-    "Fragment",
-    "ParamAndGradBuffer",
     "ParityReport",
-    "ShardedGrad",
     "StepResult",
     "default_bucket_size",
     "explain",
@@ -75,8 +61,5 @@ __all__ = [
     "load_checkpoint",
     "mxfp8",
     "parity",
-    "plan_buckets",
     "save_checkpoint",
-    "shard_buffer",
-    "shard_fragments",
 ]

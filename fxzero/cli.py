@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence, Union
 import torch
 
 from .config import Config
+from .help_text import plain_text
 from .version import __version__
 from .parity import cli as parity_cli
 from .target import TargetError, load_target
@@ -100,12 +101,19 @@ def _tolerance(flag: str) -> Callable[[str], float]:
     return parse
 
 
+_DESCRIPTION = """fxzero: ZeRO-1 distributed-optimizer training as a torch.compile backend.
+The same commands run as python -m fxzero COMMAND."""
+_EPILOG = "Run fxzero COMMAND --help for a command's arguments and examples."
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fxzero", description="fxzero command line (also `python -m fxzero`)")
+    parser = argparse.ArgumentParser(prog="fxzero", description=_DESCRIPTION, epilog=_EPILOG)
     parser.add_argument("--version", action="version", version=f"fxzero {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _explain_parser(commands)
     _parity_parser(commands)
+    for command in commands.choices.values():  # their descriptions are module docstrings (reST)
+        command.description = plain_text(command.description)
     return parser
 
 

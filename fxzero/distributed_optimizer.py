@@ -277,7 +277,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         count, problem, planned = len(self.param_groups), pending_gradients(self.ledger.written or self.grad_views.installed), None
         try:
             if problem is None:
-                self.refuse_param_shaped_state("add_param_group after construction")
+                self._refuse_param_shaped_state("add_param_group after construction")
                 super().add_param_group(param_group)
                 planned = self._plan(module)
         except (ValueError, TypeError, KeyError, NotImplementedError) as error:
@@ -294,10 +294,10 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             teardown()
         self._teardown.clear()
         self._build(planned, module, first=False)  # type: ignore[arg-type]
-        with self.replacing_state():
-            self.load_whole_states(carried_over(whole, self.param_table, self.fragments))
+        with self._replacing_state():
+            self._load_whole_states(carried_over(whole, self.param_table, self.fragments))
 
-    def bind(self, example_inputs: Sequence[Any]) -> InputBinding:
+    def _bind(self, example_inputs: Sequence[Any]) -> InputBinding:
         """Which of a graph's ``example_inputs`` this optimizer manages, and their buckets:
         what the ``fxzero`` backend plans its passes with. Compiled graphs keep only this
         plain data; at run time their ops find the optimizer through the params."""

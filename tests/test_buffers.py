@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fxzero
-from fxzero import ParamAndGradBuffer, plan_buckets, shard_buffer
+from fxzero.optim import ParamAndGradBuffer, plan_buckets, shard_buffer
 
 
 def make_params(*shapes: tuple[int, ...], dtype: torch.dtype = torch.float32) -> list[torch.nn.Parameter]:

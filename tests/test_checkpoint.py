@@ -67,7 +67,7 @@ def _full_state(model: torch.nn.Module, opt: fxzero.DistributedOptimizer) -> dic
         where = frag.where
         name, span = names[frag.slot], slice(where.param_offset, where.param_offset + where.numel)
         full[f"{name}/main"][span] = frag.param.double()
-        if state := opt.fragment_state(frag):  # a param that never got a gradient has none
+        if state := opt._fragment_state(frag):  # a param that never got a gradient has none
             full[f"{name}/exp_avg"][span] = state["exp_avg"].double()
             full[f"{name}/exp_avg_sq"][span] = state["exp_avg_sq"].double()
             steps[frag.slot] = float(state["step"])

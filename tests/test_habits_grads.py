@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
+from fxzero.optim import ShardedGrad
 from fxzero.optim.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
@@ -262,7 +263,7 @@ def test_unsupported_use_of_p_grad_names_the_param_and_what_works() -> None:
     x, y = batch("mlp", 0, 4)
     loss_fn("mlp", model(x), y).backward()
     grad = model.fc1.weight.grad
-    assert isinstance(grad, fxzero.ShardedGrad) and grad.shape == model.fc1.weight.shape and grad.dtype == model.fc1.weight.dtype
+    assert isinstance(grad, ShardedGrad) and grad.shape == model.fc1.weight.shape and grad.dtype == model.fc1.weight.dtype
     assert float(grad.norm()) == pytest.approx(float(model.fc1.weight.main_grad.norm()), rel=1e-6)  # world 1: all of it
     assert grad.data is grad and float(grad.data.norm()) == float(grad.norm())
     with pytest.raises(RuntimeError, match=r"p.grad of param 'fc1.weight' .* add_ is not supported.*clip_grad_norm_"):

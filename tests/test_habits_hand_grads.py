@@ -159,7 +159,7 @@ def _dcp_init_then_train() -> dict[str, torch.Tensor]:
     before = _params(model)
     _init_optim_state(opt)  # what torch.distributed.checkpoint.state_dict does: zero grads, lr=0, step()
     assert all(torch.equal(v, before[k]) for k, v in _params(model).items())
-    states = [opt.fragment_state(f) for f in opt.fragments]
+    states = [opt._fragment_state(f) for f in opt.fragments]
     assert all(float(s["step"]) == 1 and not s["exp_avg"].any() for s in states)
     assert all(p.grad is None for p in model.parameters()) and opt.param_groups[0]["lr"] == LR
     for step in range(STEPS):

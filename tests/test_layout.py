@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fxzero
-from fxzero import BucketPlan, plan_buckets, shard_fragments
+from fxzero.optim import BucketPlan, BufferPlan, plan_buckets, shard_fragments
 
 
 def meta(*numels: int, shared: tuple[int, ...] = ()) -> list[torch.Tensor]:
@@ -189,7 +189,7 @@ def test_param_start_alignment(numel: int, itemsize: int, block: int, expected: 
     assert fxzero.optim.param_start_alignment(numel, itemsize, block) == expected
 
 
-def _assert_views_disjoint(plan: fxzero.BufferPlan) -> None:
+def _assert_views_disjoint(plan: BufferPlan) -> None:
     ranges = sorted(plan.param_ranges)
     assert all(end <= nxt for (_, end, _), (nxt, _, _) in itertools.pairwise(ranges))
 
@@ -216,7 +216,7 @@ def test_large_params_keep_megatrons_64_element_starts_among_tiny_ones() -> None
 
 
 def test_tiny_param_views_are_contiguous_disjoint_and_16_byte_aligned() -> None:
-    from fxzero import ParamAndGradBuffer
+    from fxzero.optim import ParamAndGradBuffer
 
     params = [torch.nn.Parameter(torch.full((n,), float(i), dtype=torch.bfloat16)) for i, n in enumerate([4, 100, 1, 3, 70])]
     buffer = ParamAndGradBuffer(params, plan_buckets(params, dp_size=1, bucket_size=None), grad_dtype=torch.float32)

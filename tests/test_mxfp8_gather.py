@@ -226,7 +226,7 @@ def _aliasing(reuse: bool) -> dict:
         inside.append(lo <= d_lo and d_hi <= hi and views.dest.untyped_storage().data_ptr() == bucket.grad_data.untyped_storage().data_ptr())
 
     def land_path() -> None:  # publish every bucket, launch and land it (the step's gather)
-        with opt.replacing_state():
+        with opt._replacing_state():
             pass
 
     with mock.patch.object(dist, "all_gather_single", _no_op_collective):

@@ -101,7 +101,7 @@ def test_cycle_finder_sees_a_cycle() -> None:
 
 
 LAYERS = (
-    ("_torch_compat", "config", "version"),
+    ("_torch_compat", "config", "version", "help_text"),
     ("optim",),  # the runtime's parts; defines the gather protocol
     ("mxfp8", "ops"),  # implements it; the ops compiled graphs call
     ("distributed_optimizer",),  # assembles the parts (chooses the gather, lets the ops take DTensor params)

@@ -179,7 +179,7 @@ def save_state(model: torch.nn.Module, opt: "DistributedOptimizer", names: Seque
         writes = opt.mesh_params.counted_here(frag.slot)
         if writes:
             state[f"{OPTIM}{name}/main"] = where.pieces(frag.param.detach().reshape(-1), lo)
-        for key, value in opt.fragment_state(frag).items():
+        for key, value in opt._fragment_state(frag).items():
             kind = spec.setdefault(name, {})[key] = _kind(value, frag, f"{key!r} of {name!r}")
             if writes and kind == SHARDED:
                 state[f"{OPTIM}{name}/{key}"] = where.pieces(value.reshape(-1), lo)
@@ -274,7 +274,7 @@ def apply_loaded(
     for key, value in model.state_dict(keep_vars=True).items():
         if MODEL + key in targets:
             value.detach().copy_(targets[MODEL + key])
-    with opt.replacing_state():  # on exit: masters -> every rank's params
+    with opt._replacing_state():  # on exit: masters -> every rank's params
         states = []
         for frag in opt.fragments:
             name = names[frag.slot]
@@ -282,7 +282,7 @@ def apply_loaded(
             states.append(
                 {key: _loaded_value(targets, f"{OPTIM}{name}/{key}", kind, frag) for key, kind in spec.get(name, {}).items()}
             )
-        opt.load_fragment_states(states)
+        opt._load_fragment_states(states)
 
 
 def _loaded_value(targets: dict[str, Any], fqn: str, kind: Any, frag: FragmentTensor) -> Any:

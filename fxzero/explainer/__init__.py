@@ -149,7 +149,7 @@ def _param_names(model: torch.nn.Module) -> dict[int, str]:
 def _check_arguments(model: Any, optimizer: Any, inner_compiler: str) -> None:
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"fxzero.explain: model must be a torch.nn.Module, got {type(model).__name__}")
-    if not hasattr(optimizer, "bind") or not hasattr(optimizer, "buckets"):
+    if not hasattr(optimizer, "_bind") or not hasattr(optimizer, "buckets"):
         raise TypeError(
             f"fxzero.explain: optimizer must be a fxzero.DistributedOptimizer, got {type(optimizer).__name__}"
         )

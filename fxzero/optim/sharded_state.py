@@ -1,6 +1,7 @@
 """The state half of :class:`~fxzero.distributed_optimizer.DistributedOptimizer`: ``opt.state``,
 ``state_dict()`` / ``load_state_dict()``, the consolidated export and the small fragment API
-that checkpoints use.
+that checkpoints use (private methods: a user replacing state by hand would bypass every check of
+``load_state_dict``).
 
 Why a mixin: these methods only read the parts the optimizer assembles (listed below as
 annotations) and never build any, so they live apart from construction and the step. The
@@ -115,7 +116,7 @@ class ShardedState:
     def _collective_state_dict(self, call: str) -> dict[str, Any]:
         """Meet every rank first (:func:`~fxzero.optim.arrival.meet`): a call made on some
         ranks only fails there in bounded time rather than blocking in the gather."""
-        self.refuse_param_shaped_state(f"opt.{call}()")
+        self._refuse_param_shaped_state(f"opt.{call}()")
         device = self.params[0].device
         try:
             meet(self.dp, STATE_DICT_KEYS, call, self.config.state_dict_timeout, device,
@@ -137,7 +138,7 @@ class ShardedState:
         self._consolidated = None
         plain = is_plain_state_dict(state_dict)
         if plain:
-            self.refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
+            self._refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
         problem, states = None, []
         try:
             if plain:
@@ -147,9 +148,9 @@ class ShardedState:
         except (ValueError, KeyError, TypeError) as err:
             problem = str(err)
         self.dp.agree(problem, "load_state_dict")
-        with self.replacing_state():
+        with self._replacing_state():
             if plain:
-                self.load_whole_states(states)
+                self._load_whole_states(states)
             else:
                 self.local.load_state_dict(state_dict["local"])
                 separate = [s for s in self.shards if not s.main_is_param]
@@ -164,11 +165,11 @@ class ShardedState:
         optimizer class over the same param groups without fxzero, or back into a
         DistributedOptimizer at any world size (:meth:`load_state_dict`). What
         :meth:`state_dict` returns, without its check that every rank called it."""
-        self.refuse_param_shaped_state("consolidated_state_dict")
+        self._refuse_param_shaped_state("consolidated_state_dict")
         separate = {s.bucket.index for s in self.shards if not s.main_is_param}
         bucket_of = self.param_table.bucket_of_slot
         states = [
-            self.fragment_state(f) | ({MASTER_KEY: f.param} if bucket_of[f.slot] in separate else {})
+            self._fragment_state(f) | ({MASTER_KEY: f.param} if bucket_of[f.slot] in separate else {})
             for f in self.fragments
         ]
         state = consolidated_state(self.param_table, self.fragments, states, self.dp)
@@ -179,7 +180,7 @@ class ShardedState:
         (``add_param_group`` consolidates with the new group appended already)."""
         return [hyperparameters(self.param_groups[g]) | {"params": list(slots)} for g, slots in enumerate(self.param_table.group_slots)]
 
-    def refuse_param_shaped_state(self, what: str) -> None:
+    def _refuse_param_shaped_state(self, what: str) -> None:
         """Param-shaped state in plain ``torch.optim`` format of a DTensor param would need its
         global shape, gathered over the other mesh dimensions too, which this format's export
         does not do yet: refused, rather than a state of the local shape saved under the global
@@ -195,7 +196,7 @@ class ShardedState:
 
     # ---- the state API checkpoints use (load_state_dict uses it too) -------------
     @contextlib.contextmanager
-    def replacing_state(self) -> Iterator[None]:
+    def _replacing_state(self) -> Iterator[None]:
         """Replace this rank's fp32 masters (``fragments[i].param``) or the wrapped
         optimizer's state inside the block. Gathers in flight land first, so none lands
         over what is loaded; on exit the masters are published and gathered, so every
@@ -206,27 +207,27 @@ class ShardedState:
         self.finish_param_sync()
         self._rank_state.held = held_on_any_rank(self.local, self.dp, self.params[0].device)
 
-    def fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
+    def _fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
         """The wrapped optimizer's state of one of this rank's :attr:`fragments` (AdamW's
         ``exp_avg``, ``exp_avg_sq``, ``step``); empty before its first update."""
         return self.local.state.get(fragment.param, {})
 
-    def load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
+    def _load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
         """Give the wrapped optimizer ``states[i]`` for ``fragments[i]`` (inside
-        :meth:`replacing_state`); torch.optim's loader casts and moves each tensor as its
+        :meth:`_replacing_state`); torch.optim's loader casts and moves each tensor as its
         own policy wants."""
         if len(states) != len(self.fragments):
-            raise ValueError(f"load_fragment_states: {len(states)} states for {len(self.fragments)} fragments")
+            raise ValueError(f"_load_fragment_states: {len(states)} states for {len(self.fragments)} fragments")
         index_of = {id(p): i for i, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
         loaded = {index_of[id(f.param)]: state for f, state in zip(self.fragments, states) if state}
         self.local.load_state_dict({"state": loaded, "param_groups": self.local.state_dict()["param_groups"]})
 
-    def load_whole_states(self, states: Sequence[dict[str, Any]]) -> None:
-        """:meth:`load_fragment_states` of this rank's cut of a whole state
+    def _load_whole_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """:meth:`_load_fragment_states` of this rank's cut of a whole state
         (:func:`~fxzero.optim.state_dict.plain_fragment_states`), whose fp32 masters
-        (``MASTER_KEY``), where it holds them, go into the fragments (inside :meth:`replacing_state`)."""
+        (``MASTER_KEY``), where it holds them, go into the fragments (inside :meth:`_replacing_state`)."""
         masters = [state.pop(MASTER_KEY, None) for state in states]
-        self.load_fragment_states(states)
+        self._load_fragment_states(states)
         for frag, master in zip(self.fragments, masters):
             if master is not None:
                 frag.param.copy_(master)

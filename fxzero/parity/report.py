@@ -146,12 +146,12 @@ class ParityReport:
 
     @property
     def floor_loss(self) -> float:
-        """The largest |noise floor loss - reference loss| over the steps."""
+        """The largest absolute difference between noise-floor loss and reference loss over the steps."""
         return worst(abs(f - r) for f, r in zip(self.floor_losses, self.reference_losses))
 
     @property
     def floor_param(self) -> float:
-        """The largest |noise floor param - reference param| over params and steps."""
+        """The largest absolute difference between noise-floor param and reference param over params and steps."""
         return worst(p.floor for p in self.params)
 
     @property
