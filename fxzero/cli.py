@@ -42,6 +42,7 @@ from .config import Config
 from .version import __version__
 from .parity import cli as parity_cli
 from .target import TargetError, load_target
+from .explainer.timeline import PlottingMissing
 
 __all__ = ["main"]
 
@@ -228,7 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return parity_cli.run(args, parser)
     try:
         text = _explain(args, parser)
-    except TargetError as error:
+    except (TargetError, PlottingMissing) as error:
         parser.error(str(error))
     sys.stdout.write(text)
     for path, what in ((args.json, "JSON"), (args.timeline, "timeline")):

@@ -131,3 +131,21 @@ def test_pasted_explain_output_is_the_real_output(capsys: pytest.CaptureFixture[
     for where, command, shown in pasted:
         assert main(["explain", *command.split()]) == 0
         assert capsys.readouterr().out == shown, f"{where}: paste the output of `fxzero explain {command}`"
+
+
+def test_timeline_without_matplotlib_is_refused_before_compiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fxzero.explainer as explainer
+    import fxzero.explainer.timeline as timeline
+
+    def missing() -> None:
+        raise timeline.PlottingMissing("fxzero explain --timeline needs matplotlib: pip install 'fxzero[bench]'")
+
+    monkeypatch.setattr(timeline, "matplotlib_parts", missing)
+    monkeypatch.setattr(explainer, "record", lambda *args: pytest.fail("compiled before refusing"))
+    target = tmp_path / "targets.py"
+    target.write_text(_TARGETS)
+    assert _error([str(target), "--timeline", str(tmp_path / "t.png")], capsys).endswith(
+        "fxzero explain --timeline needs matplotlib: pip install 'fxzero[bench]'"
+    )

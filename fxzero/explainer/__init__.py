@@ -67,6 +67,10 @@ def explain(
     ``"eager"``, which compiles several times faster). ``dump_dir`` also writes the graphs
     before and after each pass there (as the backend's ``dump_dir`` option does)."""
     _check_arguments(model, optimizer, inner_compiler)
+    if timeline_file is not None:  # before the compile: a missing matplotlib should not cost one
+        from .timeline import matplotlib_parts
+
+        matplotlib_parts()
     options: dict[str, Any] = {"inner_compiler": inner_compiler}
     if dump_dir is not None:
         options["dump_dir"] = dump_dir

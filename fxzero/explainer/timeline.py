@@ -14,22 +14,26 @@ import datetime
 import os
 from typing import Any, Union
 
-__all__ = ["draw_timeline"]
+__all__ = ["PlottingMissing", "draw_timeline", "matplotlib_parts"]
 
 _LAUNCH, _WAIT, _HANDOFF = "tab:red", "tab:blue", "tab:gray"
 
 
-def _pyplot() -> Any:
+class PlottingMissing(ImportError):
+    """matplotlib is not installed: what to install is in the message."""
+
+
+def matplotlib_parts() -> tuple[Any, Any]:
+    """``(Figure, Line2D)``, or :class:`PlottingMissing`. A bare ``Figure`` renders to a file
+    without pyplot: no global backend switched, no figure left open in the user's process."""
     try:
-        import matplotlib
+        from matplotlib.figure import Figure
+        from matplotlib.lines import Line2D
     except ImportError:
-        raise ImportError(
+        raise PlottingMissing(
             "fxzero explain --timeline needs matplotlib: pip install 'fxzero[bench]' (or matplotlib>=3.8)"
         ) from None
-    matplotlib.use("Agg")  # file-only: no display needed
-    import matplotlib.pyplot as plt
-
-    return plt
+    return Figure, Line2D
 
 
 def _conditions(data: dict[str, Any], date: str) -> str:
@@ -84,21 +88,21 @@ def _panel(ax: Any, graph: dict[str, Any], overlap: bool) -> None:
 
 def draw_timeline(data: dict[str, Any], path: Union[str, "os.PathLike[str]"], date: str = "") -> None:
     """Draw ``data`` (:func:`fxzero.explainer.data.as_data`) into the PNG at ``path``."""
-    plt = _pyplot()
+    Figure, Line2D = matplotlib_parts()
     graphs = data["graphs"] or [{"index": 0, "params": [], "buckets": [], "parts": {}}]
     heights = [0.55 * max(len(g["buckets"]), 1) + 0.9 for g in graphs]
-    fig, axes = plt.subplots(len(graphs), 1, figsize=(11, sum(heights) + 1.6), squeeze=False,
-                             gridspec_kw={"height_ratios": heights})  # fmt: skip
+    fig = Figure(figsize=(11, sum(heights) + 1.6))
+    axes = fig.subplots(len(graphs), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
     for ax, graph in zip(axes[:, 0], graphs):
         _panel(ax, graph, data["conditions"]["overlap_param_gather"])
     axes[-1, 0].set_xlabel("node position in the compiled graph (forward, then backward; k/N: node k of the part's N)")
     names = data["collectives"]
     handles = [
-        plt.Line2D([], [], color=_WAIT, marker="v", ls="", label=f"gather waited ({names['gather'] or 'none at world size 1'})"),
-        plt.Line2D([], [], color=_LAUNCH, marker="^", ls="", label=f"reduction launched ({names['reduction'] or 'none at world size 1'})"),
+        Line2D([], [], color=_WAIT, marker="v", ls="", label=f"gather waited ({names['gather'] or 'none at world size 1'})"),
+        Line2D([], [], color=_LAUNCH, marker="^", ls="", label=f"reduction launched ({names['reduction'] or 'none at world size 1'})"),
     ]  # fmt: skip
     if any(part["handoffs"] for g in graphs for part in g["parts"].values()):
-        handles.append(plt.Line2D([], [], color=_HANDOFF, marker="o", ls="", label="grads handed off (bucket not complete yet)"))
+        handles.append(Line2D([], [], color=_HANDOFF, marker="o", ls="", label="grads handed off (bucket not complete yet)"))
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.025), ncol=len(handles), fontsize=8, frameon=False)
     spanning = [f"bucket {b['index']} (graphs {', '.join(map(str, b['graphs']))})" for b in data["buckets"] if len(b["graphs"]) > 1]
     if spanning:
@@ -109,4 +113,3 @@ def draw_timeline(data: dict[str, Any], path: Union[str, "os.PathLike[str]"], da
                  + _conditions(data, date), fontsize=9)  # fmt: skip
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(path, dpi=120)
-    plt.close(fig)
