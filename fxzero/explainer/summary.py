@@ -104,7 +104,8 @@ def _schedule(explained: "Explained") -> list[str]:
     listed = "; ".join(f"{b} (graphs {', '.join(map(str, g))})" for b, g in spans.items())
     lines += _wrapped("buckets read by several graphs: ", [listed or "none"])
     if spans:
-        lines.append("  (such a bucket launches where its last grads arrive and is waited by the first forward to run)")
+        waited = " and is waited by the first forward to run" if explained.overlap else ""
+        lines.append(f"  (such a bucket launches where its last grads arrive{waited})")
     return lines
 
 
