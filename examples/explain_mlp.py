@@ -1,10 +1,12 @@
-"""A small model to read fxzero's work on: ``python -m fxzero explain examples/explain_mlp.py``.
+"""A small model to read fxzero's work on: ``fxzero explain examples/explain_mlp.py``.
 
 A residual MLP whose forward breaks the Dynamo graph between its two blocks (as a
 ``print``, an ``.item()`` or an unsupported call does in real models), so the output
 shows two compiled graphs and a bucket whose params are read by both.
 
-    python -m fxzero explain examples/explain_mlp.py --bucket-size 2500 --world-size 2
+    fxzero explain examples/explain_mlp.py --bucket-size 5000 --world-size 2 --overlap-param-gather
+    fxzero explain examples/explain_mlp.py --bucket-size 5000 --world-size 2 --overlap-param-gather \
+        --timeline docs/timeline.png      # the picture in docs/ (needs matplotlib)
 """
 
 import torch
@@ -28,7 +30,7 @@ class ResidualMLP(nn.Module):
 
 
 def fxzero_explain() -> tuple[nn.Module, tuple[torch.Tensor]]:
-    """What ``python -m fxzero explain`` calls: a model and example inputs (no optimizer:
+    """What ``fxzero explain`` calls: a model and example inputs (no optimizer:
     the command makes one with its ``--bucket-size``)."""
     torch.manual_seed(0)
     return ResidualMLP(), (torch.randn(8, 16),)

@@ -1,12 +1,12 @@
-"""``python -m fxzero explain TARGET``: :func:`fxzero.explain` from the command line.
+"""``fxzero explain TARGET`` (or ``python -m fxzero explain``): :func:`fxzero.explain` from the command line.
 
 Why: the first question about a distributed backend ("how many buckets, how much
-padding, where does each reduce-scatter fire, which graph touched which bucket") should
-take one command, not a script. TARGET names a function that builds what to explain::
+padding, where does each gradient reduction fire, which graph touched which bucket")
+should take one command, not a script. TARGET names a function that builds what to explain::
 
-    python -m fxzero explain examples/explain_mlp.py                 # its fxzero_explain()
-    python -m fxzero explain examples/explain_mlp.py:build --world-size 8
-    python -m fxzero explain mypkg.models:explain_target --inner-compiler inductor
+    fxzero explain examples/explain_mlp.py                 # its fxzero_explain(): the summary
+    fxzero explain examples/explain_mlp.py --full          # and every compiled graph's code
+    fxzero explain examples/explain_mlp.py:build --world-size 8 --json layout.json --timeline timeline.png
 
 ``path/to/file.py[:function]`` or ``package.module[:function]``; the function (default
 ``fxzero_explain``) takes no arguments and returns ``(model, example_inputs)`` or
@@ -16,10 +16,17 @@ arguments (a lone tensor is one argument). Without an optimizer the command make
 ``--bucket-size`` / ``--pad-for-high-busbw`` / ``--overlap-param-gather`` (without it the
 step finishes every all-gather and the forward graphs carry no wait).
 
+It prints the summary (bucket table, each graph's schedule, the collectives of a step);
+``--full`` adds the graphs' code, ``--json FILE`` writes the facts as JSON and
+``--timeline FILE.png`` draws the schedule (matplotlib). Graphs are compiled with
+Inductor, as training compiles them (``--inner-compiler eager``: faster, other graphs).
+
 It runs in one process, without a process group (world size 1). ``--world-size N``
 lays buckets out as N ranks would, on torch's ``"fake"`` process group (no
 communication, nothing runs on other ranks), so padding and shard sizes are N-rank
-ones. Nothing trains: grads are zeroed and params untouched.
+ones; the collectives and default bucket size are then NCCL's (on gloo fxzero reduces
+with alltoall and gathers with a broadcast per rank). Nothing trains: grads are zeroed
+and params untouched.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from .help_text import plain_text
 from .version import __version__
 from .parity import cli as parity_cli
 from .target import TargetError, load_target
+from .explainer.timeline import PlottingMissing
 
 __all__ = ["main"]
 
@@ -120,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
 def _explain_parser(commands: Any) -> None:
     explain = commands.add_parser(
         "explain",
-        help="compile a model without training; print buckets, rewritten graphs and schedule",
+        help="compile a model without training; print its buckets, schedule and collectives",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -140,9 +148,14 @@ def _explain_parser(commands: Any) -> None:
     )
     explain.add_argument(
         "--inner-compiler",
-        choices=("eager", "inductor"),
-        default="eager",
-        help="how graphs are compiled (default eager)",
+        choices=("inductor", "eager"),
+        default="inductor",
+        help="how graphs are compiled (default inductor, as training does; eager is faster)",
+    )
+    explain.add_argument("--full", action="store_true", help="also print every compiled graph's code, fxzero's nodes marked")
+    explain.add_argument("--json", metavar="FILE", default=None, help="write buckets, graphs, schedule and collectives as JSON")
+    explain.add_argument(
+        "--timeline", metavar="FILE.png", default=None, help="draw where each bucket launches and waits per graph (matplotlib)"
     )
     explain.add_argument(
         "--dump-dir", default=None, help="also write every graph before/after each pass, diffs and summary.json here"
@@ -205,7 +218,16 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
                 "--bucket-size/--pad-for-high-busbw/--overlap-param-gather: TARGET returned its own optimizer, "
                 "whose Config decides the layout and the waits"
             )
-        return explain(model, *inputs, optimizer=optimizer, inner_compiler=args.inner_compiler, dump_dir=args.dump_dir)
+        return explain(
+            model,
+            *inputs,
+            optimizer=optimizer,
+            inner_compiler=args.inner_compiler,
+            full=args.full,
+            json_file=args.json,
+            timeline_file=args.timeline,
+            dump_dir=args.dump_dir,
+        )
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -215,9 +237,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return parity_cli.run(args, parser)
     try:
         text = _explain(args, parser)
-    except TargetError as error:
+    except (TargetError, PlottingMissing) as error:
         parser.error(str(error))
     sys.stdout.write(text)
+    for path, what in ((args.json, "JSON"), (args.timeline, "timeline")):
+        if path is not None:
+            sys.stdout.write(f"\n{what} written to {path}\n")
     if args.dump_dir is not None:
         sys.stdout.write(f"\ngraphs before/after each fxzero pass, diffs and summary.json written to {args.dump_dir}\n")
     return 0

@@ -23,9 +23,9 @@ def test_cli_with_torch_logs_prints_the_table_logs_and_dumps(tmp_path: Path) -> 
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     }
     env.pop(DUMP_DIR_ENV, None)
-    command = [sys.executable, "-m", "fxzero", "explain", "examples/explain_mlp.py", "--bucket-size", "5000"]
+    command = [sys.executable, "-m", "fxzero", "explain", "examples/explain_mlp.py", "--bucket-size", "5000", "--inner-compiler", "eager"]
     result = subprocess.run(
-        [*command, "--world-size", "2", "--dump-dir", str(tmp_path)],
+        [*command, "--world-size", "2", "--dump-dir", str(tmp_path), "--full", "--json", str(tmp_path / "e.json")],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -33,8 +33,12 @@ def test_cli_with_torch_logs_prints_the_table_logs_and_dumps(tmp_path: Path) -> 
         timeout=120,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("fxzero buckets (dp=2): 2 buckets, 9,060 param elements in 9,216 buffer elements")
-    assert "buckets spanning several graphs: 0 (graphs 0, 1)" in result.stdout
+    assert result.stdout.startswith("fxzero explain: ResidualMLP, world size 2, bucket size 5,000, inner compiler eager")
+    assert "2 buckets: 9,060 param elements in 9,216 buffer elements (1.7% padding)" in result.stdout
+    assert "buckets read by several graphs: 0 (graphs 0, 1)" in result.stdout
+    assert result.stdout.count("def forward(self") == 4  # --full: both graphs' forward and backward
+    assert f"JSON written to {tmp_path / 'e.json'}" in result.stdout
+    assert [b["index"] for b in json.loads((tmp_path / "e.json").read_text())["buckets"]] == [0, 1]
     assert "fxzero graph 000 forward: " in result.stderr and "reduce-scatter launches for buckets 0, 1" in result.stderr
     index = json.loads((tmp_path / "summary.json").read_text())
     assert [g["kinds"] for g in index["graphs"]] == [["backward", "forward", "joint"]] * 2
@@ -100,18 +104,48 @@ def test_cli_explains_a_module_target_with_its_optimizer(
 ) -> None:
     (tmp_path / "my_targets.py").write_text(_TARGETS)
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert main(["explain", "my_targets:with_optimizer"]) == 0
+    assert main(["explain", "my_targets:with_optimizer", "--inner-compiler", "eager", "--full"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("fxzero buckets (dp=1): 1 bucket, 6 param elements in 128 buffer elements")
+    assert "1 bucket: 6 param elements in 128 buffer elements" in out
     assert "def forward(self, weight, bias, primals_3):" in out
 
 
-def test_readme_shows_the_real_explain_output(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
+def _pasted_explains() -> list[tuple[str, str, str]]:
+    """``(file, command, output)`` of every ``$ fxzero explain ...`` block pasted in the
+    README, the docs pages and the results files."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]:
+        for block in path.read_text().split("```")[1::2]:
+            first, _, rest = block.lstrip("\n").partition("\n")
+            for prefix in ("$ python -m fxzero explain ", "$ fxzero explain "):
+                if first.startswith(prefix):
+                    found.append((str(path.relative_to(ROOT)), first[len(prefix) :], rest))
+    return found
+
+
+@pytest.mark.slow  # one Inductor compile of examples/explain_mlp.py per pasted command: ~10-15 s cold on 2 cores
+def test_pasted_explain_output_is_the_real_output(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
-    command = "python -m fxzero explain examples/explain_mlp.py --bucket-size 5000 --world-size 2 --overlap-param-gather"
-    readme = (ROOT / "README.md").read_text()
-    shown = readme.split(f"$ {command}\n", 1)[1].split("```", 1)[0]
-    assert main(command.split()[3:]) == 0
-    assert capsys.readouterr().out == shown
+    pasted = _pasted_explains()
+    assert pasted, "no `$ fxzero explain ...` block found in README.md, docs/ or benchmarks/results/"
+    for where, command, shown in pasted:
+        assert main(["explain", *command.split()]) == 0
+        assert capsys.readouterr().out == shown, f"{where}: paste the output of `fxzero explain {command}`"
+
+
+def test_timeline_without_matplotlib_is_refused_before_compiling(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import fxzero.explainer as explainer
+    import fxzero.explainer.timeline as timeline
+
+    def missing() -> None:
+        raise timeline.PlottingMissing("fxzero explain --timeline needs matplotlib: pip install 'fxzero[bench]'")
+
+    monkeypatch.setattr(timeline, "matplotlib_parts", missing)
+    monkeypatch.setattr(explainer, "record", lambda *args: pytest.fail("compiled before refusing"))
+    target = tmp_path / "targets.py"
+    target.write_text(_TARGETS)
+    assert _error([str(target), "--timeline", str(tmp_path / "t.png")], capsys).endswith(
+        "fxzero explain --timeline needs matplotlib: pip install 'fxzero[bench]'"
+    )

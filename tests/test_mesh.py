@@ -521,7 +521,7 @@ def _explain_dp2_tp2() -> str:
     model = TinyLlama(Args())
     parallelize(model, mesh["tp"])
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, process_group=mesh["dp"], module=model)
-    return fxzero.explain(model, _tokens(0)[:2, :-1], optimizer=opt)
+    return fxzero.explain(model, _tokens(0)[:2, :-1], optimizer=opt, inner_compiler="eager", full=True)
 
 
 @pytest.mark.slow
@@ -531,11 +531,12 @@ def test_explain_shows_fxzeros_and_the_models_collectives_with_their_ranks() -> 
     model's own tensor-parallel collectives in its graphs with the TP ranks."""
     texts = run_ranks(4, _explain_dp2_tp2, timeout=300)
     dp_ranks, tp_ranks = ([0, 2], [1, 3]), ([0, 1], [2, 3])
-    for rank, text in enumerate(texts):
-        head = text.splitlines()[0]
-        assert "12,449 param elements in 12,672 buffer elements (1.8% padding" in head, head
-        assert f"1 x alltoall, 2 x broadcast; data-parallel group: ranks {list(dp_ranks[rank % 2])}" in text, text[-800:]
+    for rank, full in enumerate(texts):
+        text = " ".join(full.split())  # the summary wraps its lines at 120 characters
+        assert "12,449 param elements in 12,672 buffer elements (1.8% padding)" in text, full[:800]
+        assert "2 x allreduce, 1 x alltoall, 2 x broadcast" in text, full[:2000]
+        assert f"data-parallel group: ranks {list(dp_ranks[rank % 2])}" in text, full[:2000]
         tp = f"(ranks {list(tp_ranks[rank // 2])})"
         assert "the model's own in graph 0 forward: 6 x all_gather_into_tensor over group" in text and tp in text, text[-800:]
         assert "the model's own in graph 0 backward: 5 x all_gather_into_tensor" in text, text[-800:]
-        assert "# <- the model's own reduce_scatter_tensor over group" in text
+        assert "# <- the model's own reduce_scatter_tensor over group" in full

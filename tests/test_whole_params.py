@@ -467,7 +467,7 @@ def test_muon_and_adamw_clip_and_scale_together_over_p_grad_views() -> None:
 # ---- 6. explain names each param's owner ------------------------------------------------------------
 def _explain_owners() -> dict:
     model, (opt,) = _fxzero(Run())
-    text = fxzero.explain(model, _slice(Run(), 0, dist.get_rank(), 2)[0], optimizer=opt)
+    text = fxzero.explain(model, _slice(Run(), 0, dist.get_rank(), 2)[0], optimizer=opt, inner_compiler="eager", full=True)
     return {"text": text, "owners": {row.label: row.owner for row in opt.param_table.rows}, "balance": opt.balance}
 
 
@@ -493,7 +493,7 @@ def test_explain_at_world_2_names_the_rank_owning_each_param() -> None:
     assert {rank: sorted(labels) for rank, labels in rows.items()} == {
         rank: sorted(label for label, owner in owners.items() if owner == rank) for rank in (0, 1)
     }
-    assert bal.describe() in text and "rank 0:" in bal.describe() and "rank 1:" in bal.describe()
+    assert " ".join(bal.describe().split()) in " ".join(text.split()) and "rank 0:" in bal.describe() and "rank 1:" in bal.describe()
     assert bal.elements == tuple(sum(_build("mlp", 0).get_parameter(n).numel() for n, o in owners.items() if o == r) for r in (0, 1))
 
 

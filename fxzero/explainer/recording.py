@@ -1,0 +1,106 @@
+"""How :func:`fxzero.explain` sees fxzero's work: one compile and one forward+backward.
+
+Why this way: the graphs fxzero rewrites exist only inside a compile, so explain
+compiles the model through the backend's ``recorder`` option (scoped to this one
+compile: nothing registered process-wide), runs one forward+backward under
+:meth:`~fxzero.DistributedOptimizer.no_sync` (no collective is launched) and snapshots
+every AOT graph *after* fxzero's passes, before the inner compiler takes it. Grads are
+zeroed afterwards so training state is unchanged; Dynamo is never reset (the user's
+compiled graphs survive an explain).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any, Sequence
+
+import torch
+import torch.fx as fx
+
+from ..dump import GraphDumper, InsertedNode, inserted_nodes
+from ..optim.mesh import local_of
+
+__all__ = ["Graph", "Recorded", "param_names", "record"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Recorded:
+    """A snapshot of one AOT graph after fxzero's passes (taken before inner compile)."""
+
+    kind: str
+    code: str
+    placeholders: tuple[str, ...]
+    total: int
+    """Nodes in the graph, placeholders and output included: the schedule's 100%."""
+    inserted: tuple[InsertedNode, ...]
+
+
+@dataclasses.dataclass
+class Graph:
+    """One Dynamo graph (one param binding of it): what fxzero knew and what it made."""
+
+    dumper: GraphDumper
+    """Its owners, managed params (by forward position) and Dynamo input names."""
+    parts: dict[str, Recorded] = dataclasses.field(default_factory=dict)
+
+
+def _snapshot(kind: str, gm: fx.GraphModule) -> Recorded:
+    nodes = list(gm.graph.nodes)
+    placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
+    return Recorded(kind, gm.code, placeholders, len(nodes), inserted_nodes(gm))
+
+
+class _Recording:
+    """Snapshots each graph as fxzero's passes finish it, grouped by Dynamo graph (the
+    backend's ``recorder``)."""
+
+    def __init__(self) -> None:
+        self.graphs: list[Graph] = []
+        self._by_dumper: dict[int, Graph] = {}
+
+    def __call__(self, dumper: GraphDumper, kind: str, gm: fx.GraphModule) -> None:
+        if kind == "joint":  # shown as the forward and backward it is partitioned into
+            return
+        graph = self._by_dumper.get(dumper.graph_id)
+        if graph is None:
+            graph = self._by_dumper[dumper.graph_id] = Graph(dumper)
+            self.graphs.append(graph)
+        graph.parts[kind] = _snapshot(kind, gm)
+
+
+def record(model: torch.nn.Module, inputs: Sequence[Any], optimizer: Any, options: dict[str, Any]) -> list[Graph]:
+    """Compile ``model`` with the fxzero backend, run one forward+backward without
+    collectives, zero the grads, and return every graph as fxzero's passes left it."""
+    recording = _Recording()
+    # dynamic=False: shapes as a first compile sees them. Dynamo's shape profile is kept per
+    # function name and line, so a previous explain in the process (other shapes) would
+    # otherwise make this one compile with dynamic shapes: other graphs than a training run's.
+    compiled = torch.compile(_own_frame(model), backend="fxzero", dynamic=False, options={**options, "recorder": recording})
+    with optimizer.no_sync():
+        out = compiled(*inputs)
+        (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
+    optimizer.zero_grad()
+    return recording.graphs
+
+
+def _own_frame(model: torch.nn.Module) -> Any:
+    """``model(*args)`` in a frame of this explain's own: Dynamo compiles it afresh, leaving
+    the user's entries. Its code object is made for this call: Dynamo keeps compiled frames
+    per code object, and with one shared by every explain, explains of other models or
+    shapes would pile up on it until Dynamo's recompile limit."""
+
+    def run(*args: Any) -> Any:
+        return model(*args)
+
+    return types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
+
+
+def param_names(model: torch.nn.Module) -> dict[int, str]:
+    """``id`` -> module path of every param, and of each DTensor param's local tensor too
+    (what a compiled graph's inputs and fxzero's buffers hold of it)."""
+    names: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), name)
+        names.setdefault(id(local_of(param)), name)
+    return names

@@ -1,0 +1,83 @@
+"""Where, in each compiled graph, fxzero launches a bucket's gradient reduction and waits
+for a bucket's param gather.
+
+Why node positions: overlap is decided by *where* in the graph a launch sits (a launch at
+95% of backward overlaps with nothing) and a wait sits (a wait at node 3 of forward
+hides nothing of the gather). Positions count every node of the graph fxzero's passes
+produced (placeholders and output included), so ``k/N`` reads as "k-th of N".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from .explained import Explained
+    from .recording import Graph, Recorded
+
+__all__ = ["Event", "GraphSchedule", "PartSchedule", "schedules"]
+
+PARTS = ("forward", "inference", "backward")
+"""The AOT graphs of one Dynamo graph, in the order a step runs them (joint is not recorded)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Event:
+    """One node fxzero inserted: what it does, for which bucket, where."""
+
+    what: Literal["launch", "wait", "handoff"]
+    """``launch``: the bucket's last grads in this graph are in, the reduction may start;
+    ``handoff``: earlier grads of the same bucket only added into ``main_grad``;
+    ``wait``: the forward blocks until the bucket's param gather has landed."""
+    bucket: int
+    node: int
+
+    def percent(self, total: int) -> int:
+        return round(100 * self.node / total)
+
+
+@dataclasses.dataclass(frozen=True)
+class PartSchedule:
+    kind: str
+    nodes: int
+    events: tuple[Event, ...]
+
+    def of(self, what: str) -> list[Event]:
+        return [e for e in self.events if e.what == what]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphSchedule:
+    number: int
+    params: int
+    buckets: tuple[int, ...]
+    parts: tuple[PartSchedule, ...]
+
+
+def _part(graph: "Graph", part: "Recorded", explained: "Explained") -> PartSchedule:
+    mine = [(n, explained.bucket_of(graph, n)) for n in part.inserted]
+    mine = [(n, b) for n, b in mine if b is not None]
+    last_launch: dict[int, int] = {b: n.index for n, b in mine if n.launch}  # the last one wins
+    events = []
+    for node, bucket in mine:
+        if not node.launch:
+            events.append(Event("wait", bucket, node.index))
+        else:
+            events.append(Event("launch" if last_launch[bucket] == node.index else "handoff", bucket, node.index))
+    return PartSchedule(part.kind, part.total, tuple(events))
+
+
+def schedules(explained: "Explained") -> list[GraphSchedule]:
+    """Every compiled graph's launches, hand-offs and waits of this optimizer's buckets."""
+    found = []
+    for number, graph in enumerate(explained.graphs):
+        parts = tuple(_part(graph, graph.parts[k], explained) for k in PARTS if k in graph.parts)
+        found.append(GraphSchedule(number, len(explained.params_of(graph)), tuple(explained.buckets_of(graph)), parts))
+    return found
+
+
+def spanning(explained: "Explained") -> dict[int, list[int]]:
+    """Buckets whose params are read by more than one compiled graph (graph breaks) -> graphs."""
+    seen = {b.index: explained.graphs_of_bucket(b.index) for b in explained.optimizer.buckets}
+    return {bucket: graphs for bucket, graphs in seen.items() if len(graphs) > 1}
