@@ -180,10 +180,10 @@ _README_ROW = {"resnet": "timm resnet10t", "vit": "timm vit_tiny", "convnext": "
                "whisper": "HF Whisper", "routed_experts": "adapters routed"}  # fmt: skip
 
 
-def test_the_readme_zoo_table_names_each_models_inner_compiler() -> None:
-    """The README's zoo table (and its text: ResNet and the adapters under Inductor) says which
+def test_the_zoo_results_table_names_each_models_inner_compiler() -> None:
+    """The zoo table (benchmarks/results/zoo-2026-11-25.md, once the README's; its text: ResNet and the adapters under Inductor) says which
     inner compiler each model's test runs under: the one ``zoo.Case.inner`` gives it."""
-    rows = [r for r in (Path(__file__).parents[1] / "README.md").read_text().splitlines() if r.startswith(("| timm", "| HF", "| adapters"))]
+    rows = [r for r in (Path(__file__).parents[1] / "benchmarks/results/zoo-2026-11-25.md").read_text().splitlines() if r.startswith(("| timm", "| HF", "| adapters"))]
     shown = {name: [r.split(" | ")[2] for r in rows if r.startswith(f"| {label} ")] for name, label in _README_ROW.items()}
     assert shown == {name: [case.inner.replace("inductor", "Inductor")] for name, case in _CASES.items()}
     assert {name for name, case in _CASES.items() if case.inner == "inductor"} == {"resnet", "routed_experts"}

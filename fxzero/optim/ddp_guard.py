@@ -30,7 +30,7 @@ def refuse_ddp(module: torch.nn.Module, args: Any) -> None:
             "would all-reduce them again. Do not wrap it in DDP. With Accelerate, prepare the optimizer and "
             "data loaders but not the model (accelerator.prepare(opt, dl)) and register the model for save_state "
             "(accelerator.register_for_checkpointing(model)); with HF Trainer, set "
-            "model._is_accelerate_prepared = True before Trainer(...) (README: 'Hugging Face Trainer and Accelerate'). "
+            "model._is_accelerate_prepared = True before Trainer(...) (docs/integrations.md). "
             "With Lightning, use Trainer(strategy=fxzero.lightning.FxzeroStrategy()) instead of strategy='ddp', the "
-            "DistributedOptimizer built in configure_optimizers with module=self (README: 'Lightning')."
+            "DistributedOptimizer built in configure_optimizers with module=self (docs/integrations.md)."
         )

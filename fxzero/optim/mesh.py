@@ -277,7 +277,7 @@ def _check_spans(param: DTensor, label: str, dp: DataParallelGroup, dp_ranks: tu
         f"{label} is {placement!r} over it ({_placed(param)}): {why}. Give this optimizer the params' data-parallel "
         f"dim only, {fix}; or, where its other params are data-parallel over all of process_group's ranks (dense "
         f"params next to experts), give {label} and the params placed like it a second DistributedOptimizer with "
-        "that process_group (experts also need Config(gradient_divide_factor=...): README 'Expert-parallel params (MoE)')."
+        "that process_group (experts also need Config(gradient_divide_factor=...): see docs/parallelism.md)."
     )
 
 
