@@ -123,7 +123,6 @@ def _pasted_explains() -> list[tuple[str, str, str]]:
     return found
 
 
-@pytest.mark.slow  # one Inductor compile of examples/explain_mlp.py per pasted command: ~10-15 s cold on 2 cores
 def test_pasted_explain_output_is_the_real_output(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(ROOT)
     pasted = _pasted_explains()
