@@ -19,12 +19,12 @@ a fresh model + optimizer from the same seed and the same batches, with
   its first reader.
 * **opt-in overlap, whole update** (``overlap_param_gather=True``, with-step off).
 
-1. **Step time**: forward + backward + opt.step + zero_grad, timed on each rank after a
-   barrier; per step the slower rank's time; median over the timed steps after the
-   warm-up; also the median forward and opt.step times (slower rank). Ratios of the default
-   to the opt-in overlap mode and to "before". (gloo's barrier waits for in-flight work, so
-   with opt-in overlap the gathers still in flight at the end of a step finish in the
-   untimed barrier: the ratio to that mode is a bound on what the default can reach.)
+1. **Step time**: *iteration* = wall time of the timed steps (forward + backward + opt.step +
+   zero_grad + the next batch), one barrier before the first and one after the last (gloo's
+   barrier waits for in-flight work: one between steps would finish the opt-in mode's gathers
+   untimed), divided by the steps, slower rank: the figure the ratios use. Also per step,
+   median of the slower rank: step, forward and opt.step. Ratios of the default to the opt-in
+   overlap mode and to "before".
 2. **Per bucket, default**, from monkeypatched ``ParamSync``/``Publish``: *update* = time from
    the previous bucket's launch (or the update's start) to this bucket's publish, *in
    flight* = from its launch to the start of its ``work.wait()``, *exposed wait* = time
@@ -50,10 +50,12 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E402
 
 import fxzero  # noqa: E402
 import fxzero.backend  # noqa: E402, F401  (registers the "fxzero" backend)
+from fxzero.optim.flat_update import FlatUpdate  # noqa: E402
 from fxzero.optim.param_sync import ParamSync, Publish  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 
@@ -87,6 +89,15 @@ def _instrumented(marks: dict, waits: list):
     published (its update done), its gather's launch, and the span of its ``work.wait()``;
     fxzero's own logic runs unchanged."""
     orig_launch, orig_begin, orig_publish = ParamSync._launch_next, ParamSync.begin, Publish.__call__
+    orig_step, orig_apart = FlatUpdate.step, FlatUpdate.step_apart
+
+    def step(self, *args):
+        marks["update"] = time.perf_counter()
+        orig_step(self, *args)
+
+    def step_apart(self, *args):
+        marks["update"] = time.perf_counter()
+        orig_apart(self, *args)
 
     def _launch_next(self):
         index = self.order[self._next_launch]
@@ -103,10 +114,12 @@ def _instrumented(marks: dict, waits: list):
         orig_publish(self, index)
 
     ParamSync._launch_next, ParamSync.begin, Publish.__call__ = _launch_next, begin, publish
+    FlatUpdate.step, FlatUpdate.step_apart = step, step_apart
     try:
         yield
     finally:
         ParamSync._launch_next, ParamSync.begin, Publish.__call__ = orig_launch, orig_begin, orig_publish
+        FlatUpdate.step, FlatUpdate.step_apart = orig_step, orig_apart
 
 
 def _span(names: list[str]) -> str:
@@ -115,52 +128,83 @@ def _span(names: list[str]) -> str:
     return " + ".join(([f"layers {','.join(map(str, blocks))}"] if blocks else []) + other)
 
 
-def _run_config(overlap: bool, with_step: bool, data: torch.Tensor, steps: int, warmup: int) -> dict:
-    rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    model = Transformer(ModelArgs())
-    params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    config = fxzero.Config(bucket_size=BUCKET, overlap_param_gather=overlap, overlap_param_gather_with_optimizer_step=with_step)
-    opt = fxzero.DistributedOptimizer(groups, torch.optim.AdamW, lr=2e-3, betas=(0.9, 0.95), module=model, config=config)
-    cmodel = torch.compile(model, backend="fxzero")
-    out = {"step": [], "fwd": [], "opt": [], "losses": [], "buckets_timed": []}
-    marks: dict = {}
-    waits: list = []
-    with _instrumented(marks, waits):
-        for step in range(1, warmup + steps + 1):
-            x, y = get_batch(data, step, BATCH, rank, world, torch.device("cpu"))
-            dist.barrier()
+class _Job:
+    """One config's model, optimizer and compiled model on this rank, stepped on its own batches."""
+
+    def __init__(self, overlap: bool, with_step: bool, data: torch.Tensor) -> None:
+        torch.manual_seed(0)
+        self.model = Transformer(ModelArgs())
+        params = list(self.model.parameters())
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        config = fxzero.Config(bucket_size=BUCKET, overlap_param_gather=overlap, overlap_param_gather_with_optimizer_step=with_step)
+        self.opt = fxzero.DistributedOptimizer(groups, torch.optim.AdamW, lr=2e-3, betas=(0.9, 0.95), module=self.model, config=config)
+        self.cmodel = torch.compile(self.model, backend="fxzero")
+        self.data, self.done = data, 0
+        self.out = {"step": [], "fwd": [], "opt": [], "losses": [], "buckets_timed": [], "waits": [], "iteration": [], "trace": None}
+
+    def run(self, steps: int, marks: dict, waits: list, timed: bool) -> None:
+        """``steps`` steps with no barrier between them; timed: their wall time and breakdowns."""
+        rank, world = dist.get_rank(), dist.get_world_size()
+        dist.barrier()  # one before and one after: gloo's barrier would finish in-flight gathers untimed
+        start = time.perf_counter()
+        for _ in range(steps):
+            self.done += 1
+            x, y = get_batch(self.data, self.done, BATCH, rank, world, torch.device("cpu"))
             waits.clear(), marks.clear()
             t0 = time.perf_counter()
-            loss = cmodel(x, y)
+            loss = self.cmodel(x, y)
             t1 = time.perf_counter()
             loss.backward()
             t2 = time.perf_counter()
-            opt.step()
+            self.opt.step()
             t3 = time.perf_counter()
-            opt.zero_grad()
+            self.opt.zero_grad()
             t4 = time.perf_counter()
-            out["losses"].append(loss.item())
-            if step > warmup:
-                out["step"].append(t4 - t0), out["fwd"].append(t1 - t0), out["opt"].append(t3 - t2)
-                # the gathers waited in this step (the forward's: the previous step's gathers)
+            self.out["losses"].append(loss.item())
+            if timed:
+                self.out["step"].append(t4 - t0), self.out["fwd"].append(t1 - t0), self.out["opt"].append(t3 - t2)
                 # bucket -> (in flight, exposed, wait start into the forward, waited in the forward?)
-                out.setdefault("waits", []).append({i: (s - l, e - s, s - t0, t0 <= s <= t1) for i, l, s, e in waits})
-                out["buckets_timed"].append(_bucket_times(marks, waits, t2))
-    opt.finish_param_sync()
-    names = {id(p): n for n, p in model.named_parameters()}
-    out["order"] = list(opt.param_sync.order)
-    out["buckets"] = {b.index: (b.param_data.numel(), _span([names[id(p)] for p in b.params])) for b in opt.buckets}
-    out["params"] = [p.detach().clone() for p in model.parameters()]
-    return out
+                self.out["waits"].append({i: (s - l, e - s, s - t0, t0 <= s <= t1) for i, l, s, e in waits})
+                self.out["buckets_timed"].append(_bucket_times(marks, waits, t2))
+                self.out["trace"] = _trace(marks, waits, t2, t3)
+        self.opt.finish_param_sync()
+        dist.barrier()
+        if timed:
+            self.out["iteration"].append((time.perf_counter() - start, steps))
+
+    def result(self) -> dict:
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        out = dict(self.out, order=list(self.opt.param_sync.order))
+        out["iteration"] = [sum(t for t, _ in self.out["iteration"]) / sum(n for _, n in self.out["iteration"])]
+        out["buckets"] = {b.index: (b.param_data.numel(), _span([names[id(p)] for p in b.params])) for b in self.opt.buckets}
+        out["params"] = [p.detach().clone() for p in self.model.parameters()]
+        return out
+
+
+def _trace(marks: dict, waits: list, backward_end: float, step_end: float) -> list[tuple[str, int, float, float]]:
+    """One step's schedule inside ``opt.step()``: (what, bucket, start, end) in ms from its start."""
+    begin, update = marks.get("begin", backward_end), marks.get("update", backward_end)
+    events, previous = [], update
+    if begin > update:  # every shard updated before the gathers ("before")
+        events.append(("update", -1, update, begin))
+        previous = begin
+    for index in sorted(marks.get("published", {}), key=marks["published"].get):
+        events.append(("update", index, previous, marks["published"][index]))
+        previous = marks.get("launched", {}).get(index, marks["published"][index])
+        events.append(("publish", index, marks["published"][index], previous))
+    for index, launched, start, end in waits:
+        if start >= backward_end:
+            events.append(("gather in flight", index, launched, start))
+            events.append(("wait", index, start, end))
+    return [(what, index, 1e3 * (a - backward_end), 1e3 * (b - backward_end)) for what, index, a, b in events] + [
+        ("opt.step", -1, 0.0, 1e3 * (step_end - backward_end))]
 
 
 def _bucket_times(marks: dict, waits: list, backward_end: float) -> dict:
     """This step's per-bucket update, gather in flight and wait inside ``step()`` (ms)."""
     published, launched = marks.get("published", {}), marks.get("launched", {})
-    previous, out = marks.get("begin", backward_end), {}
+    previous, out = max(marks.get("begin", backward_end), marks.get("update", backward_end)), {}
     in_step = {i: (s, e) for i, _, s, e in waits if s >= marks.get("begin", backward_end)}
     for index in sorted(published, key=published.get):
         update = published[index] - previous
@@ -170,13 +214,22 @@ def _bucket_times(marks: dict, waits: list, backward_end: float) -> dict:
     return out
 
 
-def _rank_main(steps: int, warmup: int) -> dict:
+def _rank_main(steps: int, warmup: int, rounds: int) -> dict:
+    """Every config built and warmed up first, then ``rounds`` rounds of ``steps // rounds``
+    timed steps per config, the configs' order rotating each round (drift of the machine's
+    speed spreads over all of them)."""
     data = torch.frombuffer(bytearray(load_bytes(None)), dtype=torch.uint8).long()
-    results = {}
-    for label, (overlap, with_step) in CONFIGS.items():
-        torch._dynamo.reset()
-        results[label] = _run_config(overlap, with_step, data, steps, warmup)
-    return results
+    marks: dict = {}
+    waits: list = []
+    with _instrumented(marks, waits):
+        jobs = {label: _Job(*flags, data) for label, flags in CONFIGS.items()}
+        for job in jobs.values():
+            job.run(warmup, marks, waits, timed=False)
+        labels = list(jobs)
+        for r in range(rounds):
+            for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+                jobs[label].run(steps // rounds, marks, waits, timed=True)
+    return {label: job.result() for label, job in jobs.items()}
 
 
 # ---- in the parent ----------------------------------------------------------------------
@@ -189,11 +242,11 @@ def _ms(values) -> float:
 
 
 def _step_table(res: list[dict]) -> dict:
-    med = {label: {k: _ms(_worst(res, label, k)) for k in ("step", "fwd", "opt")} for label in CONFIGS}
-    rows = [[label, f"overlap_param_gather={o}, with_optimizer_step={w}", f"{med[label]['step']:.1f}", f"{med[label]['fwd']:.1f}",
-             f"{med[label]['opt']:.1f}", f"{res[0][label]['losses'][-1]:.4f}"] for label, (o, w) in CONFIGS.items()]
-    print("## step time (median ms, slower rank per step)\n")
-    print(tabulate(rows, headers=["config", "Config", "step", "forward", "opt.step", "final loss (rank 0)"],
+    med = {label: {k: _ms(_worst(res, label, k)) for k in ("iteration", "step", "fwd", "opt")} for label in CONFIGS}
+    rows = [[label, f"overlap_param_gather={o}, with_optimizer_step={w}", f"{med[label]['iteration']:.1f}", f"{med[label]['step']:.1f}",
+             f"{med[label]['fwd']:.1f}", f"{med[label]['opt']:.1f}", f"{res[0][label]['losses'][-1]:.4f}"] for label, (o, w) in CONFIGS.items()]
+    print("## step time (ms; iteration: wall time of the timed steps / steps, slower rank; the rest: median, slower rank per step)\n")
+    print(tabulate(rows, headers=["config", "Config", "iteration", "step", "forward", "opt.step", "final loss (rank 0)"],
                    tablefmt="github", disable_numparse=True))
     return med
 
@@ -235,24 +288,46 @@ def _overlap_breakdown(res: list[dict], fwd: float) -> float:
     return worst
 
 
+def _write_trace(res: list[dict], path: str) -> None:
+    """The last timed step's ``opt.step()`` of "default" and "before" on each rank, as a
+    chrome://tracing file and a picture (matplotlib, if installed)."""
+    import json
+
+    events = [{"name": f"{what} {index}" if index >= 0 else what, "ph": "X", "pid": f"rank {rank}", "tid": label,
+               "ts": 1e3 * start, "dur": 1e3 * (end - start)}
+              for rank, r in enumerate(res) for label in ("default", "before") for what, index, start, end in r[label]["trace"]]
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(f"{path}.json").write_text(json.dumps({"traceEvents": events}))
+    print(f"\nschedule of one opt.step() per rank: {path}.json (chrome://tracing or ui.perfetto.dev)", end="")
+    try:
+        from param_gather_schedule import draw
+    except ImportError as error:
+        print(f"; no picture ({error})")
+        return
+    draw(res, f"{path}.png")
+    print(f" and {path}.png")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=30, help="timed steps per config")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (compile)")
+    p.add_argument("--rounds", type=int, default=3, help="rounds the timed steps are split into (configs rotate)")
+    p.add_argument("--trace", default="benchmarks/results/param_gather_schedule", help="writes PATH.json (chrome://tracing) and PATH.png")
     args = p.parse_args()
-    if args.steps < 1 or args.warmup < 2:
-        p.error("need --steps >= 1 and --warmup >= 2")
+    if args.steps < args.rounds or args.warmup < 2 or args.rounds < 1:
+        p.error("need --steps >= --rounds >= 1 and --warmup >= 2")
     print(f"# param all-gathers — torch {torch.__version__}, gloo, {WORLD} ranks x 1 thread, "
           f"GPT seq {BATCH.seq} batch {BATCH.global_batch // WORLD}/rank, bucket_size {BUCKET:,}; "
           f"{args.warmup} warm-up + {args.steps} timed steps per config\n")
     start = time.perf_counter()
     try:
-        res = run_ranks(WORLD, _rank_main, args.steps, args.warmup, timeout=1800)
+        res = run_ranks(WORLD, _rank_main, args.steps, args.warmup, args.rounds, timeout=1800)
     finally:
         close_pools()
     print(f"(ran in {time.perf_counter() - start:.0f} s)\n")
     med = _step_table(res)
-    step = {label: m["step"] for label, m in med.items()}
+    step = {label: m["iteration"] for label, m in med.items()}
     same = all(r[a]["losses"] == r["before"]["losses"] for r in res for a in CONFIGS)
     params = all(torch.equal(x, y) for r in res for a in CONFIGS for x, y in zip(r[a]["params"], r["before"]["params"]))
     print(f"\ndefault / opt-in overlap = {step['default'] / step['opt-in overlap']:.3f}x (target <= {STEP_TARGET}x); "
@@ -264,6 +339,8 @@ def main() -> None:
     verdict = "PASS" if worst <= TARGET else "FAIL"
     print(f"\ntarget: with overlap on, no forward wait longer than {TARGET:.0%} of the forward time after the first "
           f"bucket: worst {worst:.2%} -> {verdict}")
+    if args.trace:
+        _write_trace(res, args.trace)
 
 
 if __name__ == "__main__":
