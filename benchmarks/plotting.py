@@ -94,12 +94,13 @@ def plot_loss(metrics: Path | str, out: Path | str) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     xs, losses = [s["step"] for s in steps], [s["loss"] for s in steps]
     ax.plot(xs, losses, marker="o", markersize=3, color="tab:blue", label="train loss (mean since the previous point)")
-    for x, y in ((xs[0], losses[0]), (xs[-1], losses[-1])):
-        ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(4, 6), fontsize=8, color="tab:blue")
+    for x, y, dx, dy, align in ((xs[0], losses[0], 6, 0, "left"), (xs[-1], losses[-1], -4, -14, "right")):  # inside the axes
+        ax.annotate(f"{y:.3f}", (x, y), textcoords="offset points", xytext=(dx, dy), ha=align, fontsize=9, color="tab:blue")
+    ax.margins(y=0.1)
     ax.set_xlabel(f"step (of {run['steps']}; {run['tokens_per_step']:,} tokens/step)")
     ax.set_ylabel("loss (nats/byte)")
     lr_ax = ax.twinx()
-    lr_ax.plot(xs, [s["lr"] for s in steps], color="0.6", linewidth=1, label="learning rate")
+    lr_ax.plot(xs, [s["lr"] for s in steps], color="0.6", linewidth=1, linestyle="--", label="learning rate (right axis)")
     lr_ax.set_ylabel("learning rate", color="0.4")
     handles = [h for a in (ax, lr_ax) for h in a.get_legend_handles_labels()[0]]
     ax.legend(handles=handles, loc="upper right", fontsize=8)

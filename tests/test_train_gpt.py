@@ -107,7 +107,8 @@ def test_the_log_shows_each_steps_fields_and_the_metrics_file_holds_them(tmp_pat
     and one JSON object per logged line, with the same values (losses as train() returns them, the
     LR schedule's lr, StepResult's finite grad norm)."""
     metrics = tmp_path / "m" / "metrics.jsonl"
-    run = _train([*SMALL, "--compile", "none", "--steps", "5", "--log-every", "2", "--metrics", str(metrics)])
+    argv = [*SMALL, "--compile", "none", "--steps", "5", "--log-every", "2", "--data", __file__]  # no stdlib scan
+    run = _train([*argv, "--metrics", str(metrics)])
     lines = LINE.findall(capsys.readouterr().out)
     assert [(int(m[0]), int(m[1])) for m in lines] == [(1, 5), (2, 5), (4, 5), (5, 5)], lines
     head, *records = [json.loads(line) for line in metrics.read_text().splitlines()]
