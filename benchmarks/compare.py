@@ -1,6 +1,10 @@
 """fxzero vs its peers on one small GPT, all in one run (CPU/gloo or CUDA/NCCL, 2 ranks).
 
-    python benchmarks/compare.py [--world 2] [--steps 30] [--warmup 5] [--only CONFIG ...] [--png FILE]
+    python benchmarks/compare.py [--world 2] [--steps 30] [--warmup 5] [--only CONFIG ...] [--png FILE] [--note TEXT]
+    python benchmarks/compare.py --replot benchmarks/results/compare.json   # redraw the chart only
+
+Writes benchmarks/results/compare.json (the table) and benchmarks/results/compare.png (the chart)
+by default.
 
 Every config trains the GPT of ``examples/train_gpt.py`` (3.25M params, vocab 256, dim 256,
 4 layers, 4 heads, tied embedding/head; seq 128, batch 8 per rank, the same stdlib-bytes
@@ -214,18 +218,19 @@ def _overlap_room(fx: list[dict], world: int) -> None:
     print(f"\n(over {len(fx[0]['rooms'])} timed steps x {world} ranks; ~0% = launched at the end of backward: no overlap.)")
 
 
-def _plot(rows: list[list[str]], headers: list[str], path: str) -> None:
-    """Step time (left); per rank, optimizer state and peak RSS as two bars side by side (right)."""
+def _plot(results: dict, path: str) -> None:
+    """Step time as a ratio to DDP + compile, with its p10-p90 spread (left: bars grow from 1.0,
+    so a 1% difference shows); per rank, optimizer state and peak RSS side by side (right)."""
     plt = plotting.pyplot(path)
     if plt is None:
         return
-    col = {name: headers.index(name) for name in ("median ms", "opt state MiB/rank", "peak RSS MiB/rank")}
+    headers, rows = results["headers"], results["rows"]
+    col = {name: headers.index(name) for name in ("median ms", "p10-p90 ms", "opt state MiB/rank", "peak RSS MiB/rank")}
     ok = [r for r in rows if not r[1].startswith("FAILED")]
     names, y = [r[0] for r in ok], list(range(len(ok)))
-    value = lambda r, name: float(r[col[name]]) if r[col[name]] != "n/a" else float("nan")  # noqa: E731
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 0.6 * len(ok) + 1.6))
-    ax1.barh(y, [value(r, "median ms") for r in ok], color="tab:blue")
-    ax1.set_xlabel("median step time (ms; configs stepping in turn)")
+    value = lambda r, name: float(r[col[name]]) if r[col[name]] not in ("n/a", "") else float("nan")  # noqa: E731
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.55 * len(ok) + 2.2))
+    _plot_ratios(ax1, ok, y, value, col)
     h = 0.4
     bars = (("peak RSS MiB/rank", -h / 2, "tab:orange", "peak RSS: the whole process, optimizer state included"),
             ("opt state MiB/rank", h / 2, "tab:green", "optimizer state held by the rank (AdamW moments)"))
@@ -234,14 +239,31 @@ def _plot(rows: list[list[str]], headers: list[str], path: str) -> None:
         drawn = ax2.barh([i + offset for i in y], values, height=h, color=color, label=label)
         text = [f"{v:.0f}" if name.startswith("peak") else f"{v:.2f}" if v else "0 (no optimizer)" for v in values]
         ax2.bar_label(drawn, labels=text, padding=3, fontsize=8)
-    ax2.set_xlabel("MiB per rank (max over ranks)")
-    ax2.set_xlim(0, 1.15 * max(value(r, "peak RSS MiB/rank") for r in ok))
+    ax2.set_xlabel("MiB per rank (max over ranks; alone runs)")
+    ax2.set_xlim(0, 1.2 * max(value(r, "peak RSS MiB/rank") for r in ok))
     ax2.legend(loc="lower left", bbox_to_anchor=(0, 1.01), fontsize=8, frameon=False)  # above the bars, not on them
     for ax in (ax1, ax2):
         ax.set_yticks(y, names)
         ax.invert_yaxis()
-    plotting.save(fig, path)
+    plotting.save(fig, path, results["title"], results["conditions"])
 
+
+def _plot_ratios(ax, ok: list[list[str]], y: list[int], value, col: dict[str, int]) -> None:
+    """Median step time / DDP + compile's, each bar drawn from 1.0, whiskers at p10 and p90 over the
+    baseline's median: the spread shows which differences are noise."""
+    base = next((value(r, "median ms") for r in ok if r[0] == BASELINE), float("nan"))
+    ratios = [value(r, "median ms") / base for r in ok]
+    spread = [[float(v) / base for v in r[col["p10-p90 ms"]].split("-")] if r[col["p10-p90 ms"]] else [q, q]
+              for r, q in zip(ok, ratios)]
+    err = [[max(0.0, q - lo) for q, (lo, _) in zip(ratios, spread)], [max(0.0, hi - q) for q, (_, hi) in zip(ratios, spread)]]
+    colors = ["tab:blue" if r[0].startswith("fxzero") else "0.55" for r in ok]
+    ax.barh(y, [q - 1 for q in ratios], left=1.0, color=colors, xerr=err, ecolor="0.3", capsize=2)
+    for i, q, r, (_, hi) in zip(y, ratios, ok, spread):  # right of the bar, its whisker and the 1.0 line
+        ax.text(max(1.0, q, hi) + 0.005, i, f"{q:.3f}x ({value(r, 'median ms'):.0f} ms)", va="center", fontsize=8)
+    ax.axvline(1.0, color="black", linewidth=1)
+    lo, hi = min(s[0] for s in spread), max(s[1] for s in spread)
+    ax.set_xlim(min(lo, 1.0) - 0.06, max(hi, 1.0) + 0.12)
+    ax.set_xlabel(f"median step time / {BASELINE}'s ({base:.0f} ms = 1); whiskers p10-p90; configs stepping in turn")
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -250,8 +272,14 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (>= 3; the last one is profiled)")
     p.add_argument("--only", nargs="+", default=list(CONFIGS), choices=CONFIGS, metavar="CONFIG", help=f"subset of {CONFIGS}")
     p.add_argument("--bucket-size", type=int, default=1_000_000, help="fxzero's Config.bucket_size (elements)")
-    p.add_argument("--png", default="compare.png", help="where to write the chart (needs matplotlib)")
+    p.add_argument("--png", default=str(plotting.RESULTS / "compare.png"), help="where to write the chart (needs matplotlib)")
+    p.add_argument("--results", help="where to write the table the chart is drawn from (default: --png's path, .json)")
+    p.add_argument("--note", default="", help="shown under the chart's title with the conditions (e.g. 'shared machine')")
+    p.add_argument("--replot", metavar="RESULTS", help="only redraw the chart from a results file this script wrote")
     args = p.parse_args()
+    if args.replot:
+        _plot(plotting.read_results(args.replot), args.png)
+        return
     if args.warmup < 3 or args.steps < 4 or args.world < 2 or args.warmup + args.steps + 1 < PARITY_STEP:
         p.error(f"need --warmup >= 3, --steps >= 4, --world >= 2 and --warmup + --steps >= {PARITY_STEP - 1}")
     n_params = sum(p.numel() for p in Transformer(ModelArgs()).parameters())
@@ -270,7 +298,11 @@ def main() -> None:
           f"AdamW on the same global batches, {reference[-1]:.5f}. 1st-step extra: step 1 minus the "
           "alone median, mostly compile. MiB comm: collective payloads of rank 0 in one step. Peak RSS: whole process.)")
     _targets(results, paired, medians, args.world)
-    _plot(rows, headers, args.png)
+    cond = plotting.conditions(args.world, f"GPT {n_params / 1e6:.2f}M params, seq 128, batch {PER_RANK}/rank", note=args.note)
+    title = "fxzero vs DDP, ZeRO and FSDP2: step time and memory per rank"
+    results_path = Path(args.results or Path(args.png).with_suffix(".json"))
+    plotting.write_results(results_path, title, cond, headers=headers, rows=rows)
+    _plot(plotting.read_results(results_path), args.png)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 #!/bin/bash
 # The GPU checks in one run, for a lent GPU machine (repository root; writes its log to $OUT/log
-# where $OUT is set, else ./gpu_check.log). The machine's own torch is used: fxzero is installed
+# where $OUT is set, else benchmarks/results/gpu_check.log). The machine's own torch is used: fxzero is installed
 # with --no-deps, since the package pins torch 2.13 and such machines cannot download.
 # Its first four commands took ~3 min on one H200 (torch 2.11.0+cu130), cold caches. (tests/test_torch_compat.py is for the
 # pinned 2.13: on 2.11 its chaining checks fail by design, since 2.11 takes one post-grad pass.)
 export PYTHONUNBUFFERED=1
-log=${OUT:+$OUT/log}; log=${log:-gpu_check.log}
+log=${OUT:+$OUT/log}; log=${log:-benchmarks/results/gpu_check.log}
 step() { local t=$1; shift; echo; echo "=== [$(date +%T)] $* (limit ${t}s)"; local s=$SECONDS; timeout "$t" "$@"; echo "=== rc=$? in $((SECONDS-s)) s"; }
 {
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
@@ -15,5 +15,5 @@ step 130 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfE --dura
 step 90 python3 benchmarks/graph_overhead.py --device cuda --steps 40 --ops
 step 60 python3 benchmarks/graph_overhead.py --device cuda --steps 40 --sync-phases
 step 70 torchrun --nproc-per-node 1 examples/train_gpt.py --steps 30 --log-every 5 --overlap
-step 70 python3 benchmarks/memory.py --world 1 --device cuda --only "DDP gabv + compile" fxzero --steps 4 --png "${OUT:-.}/memory_cuda.png"
+step 70 python3 benchmarks/memory.py --world 1 --device cuda --only "DDP gabv + compile" fxzero --steps 4 --png "${OUT:-benchmarks/results}/memory_cuda.png"
 } 2>&1 | tee "$log"

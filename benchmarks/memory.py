@@ -1,6 +1,10 @@
 """Peak memory per rank: fxzero vs DDP, ZeroRedundancyOptimizer and FSDP2, and how it scales.
 
     python benchmarks/memory.py [--steps 4] [--only CONFIG ...] [--sweep] [--png FILE] [--device cpu|cuda]
+    python benchmarks/memory.py --replot benchmarks/results/memory.json   # redraw the chart only
+
+Writes benchmarks/results/memory.json (the tables) and benchmarks/results/memory.png (the chart)
+by default.
 
 **The table** (always): the 43M-param GPT of ``examples/train_gpt.py`` at dim 768, 6 layers,
 vocab 256, seq 64, batch 2 per rank, fp32, AdamW (the issue's setup), at 2 ranks, every
@@ -171,29 +175,37 @@ def _sweep(args: argparse.Namespace) -> list[list[str]]:
     return rows
 
 
-def _plot(table: list[list[str]], sweep: list[list[str]], path: str, world: int) -> None:
+def _plot(results: dict, path: str) -> None:
+    """Per config, the peak and the optimizer state side by side (left); the sweep's peaks, fxzero
+    beside DDP gabv + compile (right). Values on every bar; legends above the axes, off the bars."""
     plt = plotting.pyplot(path)
     if plt is None:
         return
-    ok = [r for r in table if not r[1].startswith("FAILED")]
-    fig, axes = plt.subplots(1, 2 if sweep else 1, figsize=(13 if sweep else 7, 4.5), squeeze=False)
-    ax = axes[0][0]
-    ax.barh([r[0] for r in ok], [float(r[1]) for r in ok], color="tab:orange", label="peak")
-    ax.barh([r[0] for r in ok], [float(r[-2]) for r in ok], color="tab:green", label="optimizer state")
-    ax.set_xlabel(f"MiB per rank (43M GPT, world {world})")  # the world it ran at (the GPU check runs world 1)
+    ok = [r for r in results["table"] if not r[1].startswith("FAILED")]
+    done = [r for r in results["sweep"] if not r[3].startswith("FAILED")]
+    fig, axes = plt.subplots(1, 2 if done else 1, figsize=(15 if done else 8, 0.5 * len(ok) + 2.6), squeeze=False)
+    ax, y, h = axes[0][0], list(range(len(ok))), 0.4
+    for column, offset, color, label, fmt in ((1, -h / 2, "tab:orange", "peak per rank (whole process)", ".0f"),
+                                              (-2, h / 2, "tab:green", "optimizer state per rank", ".1f")):
+        drawn = ax.barh([i + offset for i in y], [float(r[column]) for r in ok], height=h, color=color, label=label)
+        ax.bar_label(drawn, labels=[format(float(r[column]), fmt) for r in ok], padding=3, fontsize=8)
+    ax.set_yticks(y, [r[0] for r in ok])
+    ax.set_xlim(0, 1.15 * max(float(r[1]) for r in ok))
+    ax.set_xlabel(f"MiB per rank, max over ranks ({results['measure']})")
     ax.invert_yaxis()
-    ax.legend()
-    done = [r for r in sweep if not r[3].startswith("FAILED")]
+    ax.set_title(f"every config: {results['table_model']}, world {results['conditions']['world']}", fontsize=10, pad=26)
+    ax.legend(loc="lower left", bbox_to_anchor=(0, 1.01), ncol=2, fontsize=8, frameon=False)
     if done:
-        ax = axes[0][1]
-        labels = [f"{r[0]} w{r[2]}" for r in done]
-        xs = range(len(done))
-        ax.bar([x - 0.2 for x in xs], [float(r[3]) for r in done], width=0.4, label="fxzero")
-        ax.bar([x + 0.2 for x in xs], [float(r[4]) for r in done], width=0.4, label="DDP gabv + compile")
-        ax.set_xticks(list(xs), labels)
+        ax, xs = axes[0][1], range(len(done))
+        for column, offset, label, color in ((3, -0.2, "fxzero", "tab:blue"), (4, 0.2, "DDP gabv + compile", "0.6")):
+            drawn = ax.bar([x + offset for x in xs], [float(r[column]) for r in done], width=0.4, label=label, color=color)
+            ax.bar_label(drawn, labels=[f"{float(r[column]):.0f}" for r in done], padding=2, fontsize=8)
+        ax.set_xticks(list(xs), [f"{r[0]}, world {r[2]}" for r in done])
+        ax.set_ylim(0, 1.12 * max(float(r[4]) for r in done))
         ax.set_ylabel("peak MiB per rank")
-        ax.legend()
-    plotting.save(fig, path)
+        ax.set_title("scale sweep: model size and world", fontsize=10, pad=26)
+        ax.legend(loc="lower left", bbox_to_anchor=(0, 1.01), ncol=2, fontsize=8, frameon=False)
+    plotting.save(fig, path, results["title"], results["conditions"])
 
 
 def main() -> None:
@@ -204,10 +216,16 @@ def main() -> None:
     p.add_argument("--model", default="43M", choices=sorted(MODELS), help="the table's model")
     p.add_argument("--sweep", action="store_true", help="also run the scale sweep (fxzero vs DDP gabv + compile)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cpu", "cuda"))
-    p.add_argument("--png", default="memory.png", help="where to write the chart (needs matplotlib)")
+    p.add_argument("--png", default=str(plotting.RESULTS / "memory.png"), help="where to write the chart (needs matplotlib)")
+    p.add_argument("--results", help="where to write the tables the chart is drawn from (default: --png's path, .json)")
+    p.add_argument("--note", default="", help="shown under the chart's title with the conditions (e.g. 'shared machine')")
+    p.add_argument("--replot", metavar="RESULTS", help="only redraw the chart from a results file this script wrote")
     p.add_argument("--repeat", type=int, default=1, help="runs per config of the table (fresh processes each); the median peak's run is shown")
     p.add_argument("--malloc-default", action="store_true", help="keep glibc's dynamic mmap threshold (see MMAP_THRESHOLD)")
     args = p.parse_args()
+    if args.replot:
+        _plot(plotting.read_results(args.replot), args.png)
+        return
     malloc = "glibc default"
     if args.device == "cpu" and not args.malloc_default:
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(MMAP_THRESHOLD)  # read by the ranks' glibc at start
@@ -226,13 +244,20 @@ def main() -> None:
     print("\n(max over ranks; phase peaks: the highest the process reached during that phase, over all steps.)")
     _targets(results, args.world)
     sweep = _sweep(args) if args.sweep else []
+    sweep_headers = ["model", "params", "world", "fxzero peak", "DDP gabv + compile peak", "saving MiB (vs ideal)",
+                     "opt state fxzero / DDP", "fxzero ms", "DDP gabv + compile ms", "time ratio"]  # fmt: skip
     if sweep:
-        headers = ["model", "params", "world", "fxzero peak", "DDP gabv + compile peak", "saving MiB (vs ideal)",
-                   "opt state fxzero / DDP", "fxzero ms", "DDP gabv + compile ms", "time ratio"]  # fmt: skip
         print("\n## scale sweep: fxzero (Inductor) vs DDP gabv + compile\n")
-        print(tabulate(sweep, headers=headers, tablefmt="github", disable_numparse=True))
+        print(tabulate(sweep, headers=sweep_headers, tablefmt="github", disable_numparse=True))
         print("\n(ideal saving: (1 - 1/world) of DDP's AdamW state; ms: median step time of the slower rank, steps 2+, one run.)")
-    _plot(table, sweep, args.png, args.world)
+    table_model = f"GPT {model.name} (dim {model.dim}, {model.n_layer} layers)"
+    cond = plotting.conditions(args.world, f"{table_model}, seq {model.seq}, batch {model.batch}/rank, AdamW",
+                               device=args.device, note=args.note)
+    title = "Peak memory per rank: fxzero vs DDP, ZeroRedundancyOptimizer and FSDP2"
+    results_path = Path(args.results or Path(args.png).with_suffix(".json"))
+    plotting.write_results(results_path, title, cond, table_model=table_model, measure=unit, headers=headers, table=table,
+                           sweep_headers=sweep_headers, sweep=sweep)
+    _plot(plotting.read_results(results_path), args.png)
 
 
 if __name__ == "__main__":

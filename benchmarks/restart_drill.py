@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 REPO = Path(__file__).resolve().parents[1]
 MODEL = ["--dim", "64", "--layers", "2", "--heads", "2", "--seq", "64", "--global-batch", "8", "--bucket-size", "20000"]
-_STEP = re.compile(r"^step\s+(\d+) \| loss ([\d.]+)", re.M)
+_STEP = re.compile(r"^step\s+(\d+)/\d+ \| loss ([\d.]+)", re.M)  # train_log.py's step lines
 
 
 def start_job(ckpt_dir: Path, args: argparse.Namespace, kill_at: int | None) -> subprocess.Popen:

@@ -13,6 +13,10 @@ With --tp N, the ranks form a (dp = world / N) x (tp = N) DeviceMesh: each block
 and MLP are tensor-parallel (DTensor params, Megatron's column/row split) over "tp", and
 fxzero's ZeRO-1 runs over "dp", compiled or not, with every flag but --optimizer muon.
 
+It reports like torchtitan's logger (examples/train_log.py): a "compiling" line before the first
+step, then per logged step: step k/N, loss, lr, grad norm, tok/s, peak memory, ETA;
+--metrics FILE also writes them as JSON lines, --tensorboard DIR as TensorBoard scalars.
+
 Data: the Python standard library's own .py files (about 2 MB, read in sorted order),
 or --data FILE; one token per byte. Each step draws a global batch of --global-batch
 sequences from a generator seeded by the step number, and each data-parallel rank trains on
@@ -25,7 +29,6 @@ import collections
 import contextlib
 import math
 import os
-import resource
 import sysconfig
 import time
 from dataclasses import dataclass
@@ -40,6 +43,7 @@ from tabulate import tabulate
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 import fxzero
+from train_log import TENSORBOARD_MISSING, TrainLog, machine, peak_memory, tensorboard_missing
 
 
 @dataclass
@@ -207,6 +211,9 @@ def build_parser():
                    help="overlap the param gathers with the next forward (opt-in; default: step() gathers them)")
     p.add_argument("--accum", type=int, default=1, help="microbatches per step")
     p.add_argument("--log-every", type=int, default=10)
+    p.add_argument("--metrics", default=None, metavar="FILE", help="write each logged step as a JSON line here (rank 0)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="write TensorBoard scalars here (rank 0; needs the tensorboard package: the [tensorboard] extra)")
     p.add_argument("--data", default=None, help="a text file (default: the stdlib's .py files)")
     p.add_argument("--ckpt-dir", default=None, help="resume from the latest checkpoint here; save into it")
     p.add_argument("--ckpt-every", type=int, default=0, help="save every N steps (and at the end) when --ckpt-dir is set")
@@ -241,6 +248,8 @@ def check_args(parser, args, world):
         for flag, used in (("--tp", tp > 1), ("--optimizer muon", args.optimizer == "muon")):
             if used:
                 parser.error(f"--instances {args.instances} is not supported with {flag}")
+    if args.tensorboard and tensorboard_missing():
+        parser.error(TENSORBOARD_MISSING)
     dp = world // tp
     if args.global_batch % (dp * args.accum):
         what = "world * accum" if tp == 1 else f"dp * accum (dp = world / tp = {dp})"
@@ -366,7 +375,8 @@ def no_sync(opts):
 
 def train_step(job, step, loss_sum):
     """One optimizer step on global batch `step`; adds its loss (this rank's mean) to loss_sum.
-    Returns whether a step was skipped (a non-finite gradient norm)."""
+    Returns (whether the step was skipped: a non-finite gradient norm, the global gradient norm
+    before clipping)."""
     args, opts = job.args, list(job.opts.values())
     for opt in opts:
         for group in opt.param_groups:
@@ -380,34 +390,48 @@ def train_step(job, step, loss_sum):
             loss = job.train_model(x[i * micro : (i + 1) * micro], y[i * micro : (i + 1) * micro]) / args.accum
             loss.backward()
         loss_sum += loss.detach()
+    norm = None
     if len(opts) > 1:  # p.grad views every rank's shards: the global norm, one all-reduce per optimizer
-        torch.nn.utils.clip_grad_norm_(job.model.parameters(), CLIP)
+        norm = float(torch.nn.utils.clip_grad_norm_(job.model.parameters(), CLIP))
     results = [opt.step() for opt in opts]  # finish reduce-scatters, update this rank's shard, all-gather
     for opt in opts:
         opt.zero_grad()
-    return any(r.skipped for r in results)
+    # one optimizer: StepResult.grad_norm is the whole model's, before Config.clip_grad; two found
+    # the norms of their own params after the clip above, whose norm is the whole model's
+    return any(r.skipped for r in results), results[0].grad_norm if norm is None else norm
+
+
+def describe(job):
+    """The run, as the metrics file's first line holds it (and the loss curve's caption shows)."""
+    args = job.args
+    n_params = sum(p.numel() for p in job.model.parameters())
+    setup = f"{optimizer_names(job.opts)}, compile {args.compile}" + (f", tp {args.tp}" if args.tp > 1 else "")
+    return {"machine": machine(job.device), "world": job.world, "device": job.device.type, "setup": setup,
+            "model": f"GPT {n_params / 1e6:.2f}M params (dim {args.dim}, {args.layers} layers, seq {args.seq})"}
 
 
 def train(job):
     """Steps from the first one not checkpointed to --steps: (logged mean losses, skipped steps, first logged ms/step)."""
     args, device = job.args, job.device
-    tokens_per_step = args.global_batch * args.seq
+    log = TrainLog(args.steps, args.global_batch * args.seq, device, describe(job), enabled=job.rank == 0,
+                   compiles=args.compile != "none", metrics=args.metrics, tensorboard=args.tensorboard)
     losses, skipped, first_ms = [], 0, 0.0
-    loss_sum, n_sum, t_last = torch.zeros((), device=device), 0, time.perf_counter()
-    for step in range(resume(job), args.steps + 1):
-        skipped += train_step(job, step, loss_sum)
+    loss_sum, n_sum, first = torch.zeros((), device=device), 0, resume(job)
+    log.start(first, args.compile)
+    for step in range(first, args.steps + 1):
+        was_skipped, grad_norm = train_step(job, step, loss_sum)
+        skipped += was_skipped
         if args.ckpt_dir and (step == args.steps or (args.ckpt_every and step % args.ckpt_every == 0)):
             save(job, step)
         n_sum += 1
-        if step == 1 or step % args.log_every == 0 or step == args.steps:
+        if step == first or step % args.log_every == 0 or step == args.steps:
             mean_loss = reduce(loss_sum, dist.ReduceOp.SUM, device, job.dp_group) / (job.dp * n_sum)  # one scalar all-reduce
-            now = time.perf_counter()
-            ms = 1000 * (now - t_last) / n_sum
             losses.append(mean_loss)
-            job.log(f"step {step:4d} | loss {mean_loss:.4f} | {ms:4.0f} ms/step | {tokens_per_step / ms * 1000:,.0f} tok/s")
-            first_ms = first_ms or ms  # the first step compiles
+            record = log.step(step, mean_loss, lr_at(step, args), grad_norm)
+            first_ms = first_ms or record["ms_per_step"]  # the first step compiles
             loss_sum.zero_()
-            n_sum, t_last = 0, now
+            n_sum = 0
+    log.close()
     return losses, skipped, first_ms
 
 
@@ -438,9 +462,8 @@ def unsharded_state_bytes(opts):
 def summary(job, losses, val_loss, skipped, first_ms, t_start):
     args, opts, device, world = job.args, job.opts.values(), job.device, job.world
     n_params = sum(p.numel() for p in job.model.parameters())
-    on_gpu = device.type == "cuda"
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
-    peak = reduce(torch.cuda.max_memory_allocated(device) if on_gpu else rss, dist.ReduceOp.MAX, device)
+    memory, kind = peak_memory(device)
+    peak = reduce(memory, dist.ReduceOp.MAX, device)
     state = reduce(sum(opt.state_bytes for opt in opts), dist.ReduceOp.MAX, device)
     buffers = [b for opt in opts for b in opt.buffers]
     n_buckets, padded = sum(len(opt.buckets) for opt in opts), sum(b.plan.numel for b in buffers)
@@ -467,7 +490,7 @@ def summary(job, losses, val_loss, skipped, first_ms, t_start):
         ("collectives per step", collectives if world > 1 else "0 (world size 1)"),
         ("optimizer state / rank (max)",
          f"{state / 2**20:.2f} MiB (plain {optimizer_names(job.opts)}: {unsharded_state_bytes(job.opts) / 2**20:.2f} MiB)"),
-        ("peak memory / rank (max)", f"{peak / 2**20:.0f} MiB ({'cuda allocated' if on_gpu else 'max RSS'})"),
+        ("peak memory / rank (max)", f"{peak / 2**20:.0f} MiB ({kind})"),
         ("skipped steps", skipped),
         ("steps × tokens/step", f"{args.steps} × {args.global_batch * args.seq:,}"),
         ("first step (compiles)", f"{first_ms / 1000:.1f} s"),

@@ -67,5 +67,5 @@ def test_the_gpu_check_runs_what_the_readme_says() -> None:
         "python3 benchmarks/graph_overhead.py --device cuda --steps 40 --ops",
         "python3 benchmarks/graph_overhead.py --device cuda --steps 40 --sync-phases",
         "torchrun --nproc-per-node 1 examples/train_gpt.py --steps 30 --log-every 5 --overlap",
-        'python3 benchmarks/memory.py --world 1 --device cuda --only "DDP gabv + compile" fxzero --steps 4 --png "${OUT:-.}/memory_cuda.png"',
+        'python3 benchmarks/memory.py --world 1 --device cuda --only "DDP gabv + compile" fxzero --steps 4 --png "${OUT:-benchmarks/results}/memory_cuda.png"',
     ]

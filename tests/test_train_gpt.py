@@ -1,11 +1,13 @@
 """examples/train_gpt.py, trained through the example's own functions on gloo ranks (a small model,
-eager): --optimizer muon (torch.optim.Muon over the blocks' matrices with whole-param ownership and
+eager): its log and --metrics file (world 1), --optimizer muon (torch.optim.Muon over the blocks' matrices with whole-param ownership and
 AdamW over the rest, two DistributedOptimizers over one model, clipped by the whole model's norm),
 and --tp 2 (a dp x tp mesh, TP blocks, ZeRO-1 over dp) against plain data parallelism."""
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -21,6 +23,7 @@ from fxzero.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 import train_gpt  # noqa: E402
+import train_log  # noqa: E402
 
 SMALL = ["--dim", "64", "--layers", "2", "--heads", "2", "--seq", "64", "--global-batch", "8", "--bucket-size", "20000"]
 MUON = [*SMALL, "--optimizer", "muon", "--compile", "none", "--log-every", "1", "--lr", "1e-2"]
@@ -49,13 +52,16 @@ def _state_tensors(result: dict[str, Any]) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.slow
-def test_muon_trains_at_world_2_like_world_1() -> None:
+def test_muon_trains_at_world_2_like_world_1(tmp_path: Path) -> None:
     """Losses finite and falling; both optimizers' params and states the same on both ranks; the
-    same math at world 1. Not to 1e-5: torch's Muon runs Newton-Schulz in bf16, which turns the
+    same math at world 1, whose metrics file logs the whole model's grad norm (clip_grad_norm_'s:
+    two optimizers each see only their own params). Not to 1e-5: torch's Muon runs Newton-Schulz in bf16, which turns the
     fp32 rounding of averaging two ranks' gradients into bf16 rounding (losses of world 1 and 2
     differed by up to 6.3e-5 over 6 steps; with --optimizer adamw, by up to 7.2e-7)."""
     argv = [*MUON, "--steps", str(STEPS)]
-    one = _train(argv)
+    one = _train([*argv, "--metrics", str(tmp_path / "metrics.jsonl")])
+    norms = [json.loads(line)["grad_norm"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[1:]]
+    assert len(norms) == STEPS and all(math.isfinite(n) and n > 0 for n in norms), norms
     ranks = run_ranks(2, _train, argv, timeout=300)
     assert one["classes"] == {"muon": "Muon", "adamw": "AdamW"} and one["whole_params"] == {"muon": True, "adamw": False}
     losses = ranks[0]["losses"]
@@ -87,6 +93,59 @@ def test_muon_resumes_from_the_newest_step_both_optimizers_saved(tmp_path: Path)
         assert torch.equal(again["params"][name], value), name
     want, got = _state_tensors(first), _state_tensors(again)
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+
+
+# ---- the log and the metrics file ---------------------------------------------------------------
+LINE = re.compile(r"^step +(\d+)/(\d+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| grad norm ([\d.]+) \| "
+                  r"(?:([\d,]+) tok/s \| (\d+) ms/step|first step [\d.]+ s \(compiles\)) \| "
+                  r"peak rss ([\d,]+) MiB \| ETA (\S+)$", re.M)
+
+
+def test_the_log_shows_each_steps_fields_and_the_metrics_file_holds_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """World 1, eager, 5 steps logged every 2: a line for steps 1, 2, 4 and 5 with step k/N, loss,
+    lr, grad norm, tok/s, ms/step, peak memory and ETA; --metrics holds the run on its first line
+    and one JSON object per logged line, with the same values (losses as train() returns them, the
+    LR schedule's lr, StepResult's finite grad norm)."""
+    metrics = tmp_path / "m" / "metrics.jsonl"
+    argv = [*SMALL, "--compile", "none", "--steps", "5", "--log-every", "2", "--data", __file__]  # no stdlib scan
+    run = _train([*argv, "--metrics", str(metrics)])
+    lines = LINE.findall(capsys.readouterr().out)
+    assert [(int(m[0]), int(m[1])) for m in lines] == [(1, 5), (2, 5), (4, 5), (5, 5)], lines
+    head, *records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert head["run"]["world"] == 1 and head["run"]["steps"] == 5 and head["run"]["tokens_per_step"] == 8 * 64
+    assert head["run"]["model"].startswith("GPT 0.12M params (dim 64, 2 layers") and head["run"]["machine"]
+    args = train_gpt.build_parser().parse_args([*SMALL, "--steps", "5"])
+    assert [r["step"] for r in records] == [1, 2, 4, 5] and [r["loss"] for r in records] == run["losses"]
+    for record, line in zip(records, lines):
+        assert record["lr"] == train_gpt.lr_at(record["step"], args) and f"{record['lr']:.2e}" == line[3]
+        assert math.isfinite(record["grad_norm"]) and record["grad_norm"] > 0 and f"{record['grad_norm']:.3f}" == line[4]
+        assert record["tok_per_s"] > 0 and record["memory_mib"] > 0 and record["memory"] == "peak rss"
+        assert f"{record['tok_per_s']:,.0f}" == line[5] and f"{record['memory_mib']:,.0f}" == line[7]
+        assert not record["includes_compile"] and record["eta_s"] >= 0
+    assert records[-1]["eta_s"] == 0 and lines[-1][8] == "0s"
+
+
+def test_a_compiled_run_says_it_compiles_before_its_first_step(capsys: pytest.CaptureFixture[str]) -> None:
+    """The "compiling" line comes before step 1 runs; step 1's line gives its time, not a tok/s
+    counting the compile, and no ETA; the next line's ETA is the mean step time since step 1's line."""
+    log = train_log.TrainLog(10, 100, torch.device("cpu"), {}, enabled=True, compiles=True)
+    log.start(1, "inductor")
+    assert capsys.readouterr().out.startswith('compiling: step 1 runs torch.compile(backend="fxzero", inner compiler inductor)')
+    first = log.step(1, 5.0, 1e-3, 1.5)
+    second = log.step(3, 4.0, 1e-3, 1.2)
+    out = capsys.readouterr().out
+    assert first["includes_compile"] and first["eta_s"] is None and not second["includes_compile"]
+    assert second["eta_s"] == pytest.approx(second["ms_per_step"] / 1000 * 7)  # 7 steps left at its pace
+    (one, three) = LINE.findall(out)
+    assert one[5] == "" and one[8] == "--" and three[5] and three[8] != "--", out
+
+
+def test_tensorboard_without_the_package_is_refused_naming_it(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(train_gpt, "tensorboard_missing", lambda: True)
+    parser = train_gpt.build_parser()
+    with pytest.raises(SystemExit):
+        train_gpt.check_args(parser, parser.parse_args(["--tensorboard", "runs"]), world=1)
+    assert "--tensorboard needs the tensorboard package: pip install -e '.[tensorboard]'" in capsys.readouterr().err
 
 
 # ---- --tp ---------------------------------------------------------------------------------------
