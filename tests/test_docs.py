@@ -83,7 +83,7 @@ def test_figures_next_to_a_results_link_are_in_the_linked_file():
             sources = [(page.parent / link).resolve() for link in links]
             for source in sources:
                 assert source.is_file(), f"{page.name} links {source}, which does not exist"
-            text = "\n".join(source.read_text() for source in sources)
+            text = "\n".join(source.read_text() for source in sources if source.suffix != ".png")  # a picture quotes nothing
             for figure in sorted(figures(paragraph)):
                 checked += 1
                 if not occurs(figure, text):
