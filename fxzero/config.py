@@ -32,7 +32,7 @@ def default_bucket_size(dp_size: int, backend: str = "nccl") -> int:
     gloo: :data:`GLOO_BUCKET_SIZE` (4M elements, 16 MiB of fp32) at any ``dp_size``. Its
     collectives need no scratch either (fxzero gathers by per-rank broadcasts and reduces by
     a chunked all-to-all), and a 1M-element all-to-all already costs several times gloo's
-    fixed per-collective cost (the README's "Gradients" paragraph has the measurements), so
+    fixed per-collective cost (the "Gradients" paragraph of docs/design.md has the measurements), so
     the bucket size only decides when a bucket can launch: a 40M bucket holds a whole small
     model, which then launches only when backward ends.
     """
@@ -78,7 +78,7 @@ class Config:
     bucket and sums the ``dp`` copies received (the same bytes as a reduce-scatter, plus
     receive buffers for two buckets); ``"all_reduce"`` sums the whole bucket in place
     (twice the bytes, no extra memory). ``"auto"``: all-to-all on gloo, reduce-scatter
-    elsewhere (the README's "Gradients" paragraph has the measurements)."""
+    elsewhere (the "Gradients" paragraph of docs/design.md has the measurements)."""
 
     overlap_param_gather: bool = False
     """Overlap the param all-gather after ``step()`` with the next forward (opt-in, as
@@ -148,8 +148,8 @@ class Config:
     the tokens of its whole expert-parallel group, so its sum over that group must be divided
     by every data-parallel rank (``ep * edp``), as torchtitan sets FSDP2's
     ``set_gradient_divide_factor`` and Megatron-LM scales expert gradients by
-    ``expert_data_parallel_size / data_parallel_size``. The README's "Expert-parallel params"
-    section builds one."""
+    ``expert_data_parallel_size / data_parallel_size``. The "Expert-parallel params" section of
+    docs/parallelism.md builds one."""
 
     state_sharding: Literal["auto", "elementwise", "whole_params"] = "auto"
     """How the wrapped optimizer's state is split over ranks.

@@ -164,7 +164,7 @@ class DataParallelGroup:
         its group; a 2-D mesh with dims ``("replicate", "shard")`` means hierarchical sharding
         (:attr:`replicas`). ``"auto"`` picks ``"all_to_all"`` on
         gloo (whose reduce-scatter sets up a halving-doubling algorithm on every call; the
-        README's "Gradients" paragraph has the measurements) and ``"reduce_scatter"``
+        "Gradients" paragraph of docs/design.md has the measurements) and ``"reduce_scatter"``
         everywhere else."""
         replicas = None
         if isinstance(group, DeviceMesh):
@@ -225,7 +225,7 @@ class DataParallelGroup:
         view of ``output`` (``shards[self.rank]`` holds this rank's values). One in-place
         all-gather (NCCL needs no scratch for it); on gloo one broadcast per rank from its
         own view, because gloo's all-gather copies through a temporary as large as
-        ``output`` and the broadcasts copy nothing (the README's Memory section measures it)."""
+        ``output`` and the broadcasts copy nothing (the Memory section of docs/design.md measures it)."""
         if self.gather_by_broadcast:
             return AllOf([dist.broadcast(s, group_src=r, group=self.group, async_op=True) for r, s in enumerate(shards)])
         return dist.all_gather_single(output, shards[self.rank], group=self.group, async_op=True)
