@@ -45,12 +45,12 @@ from tabulate import tabulate
 
 import fxzero
 from fxzero.graph_compiler import GraphCompiler
-from fxzero.optim import grad_sync
-from fxzero.optim.binding import GraphBinding
-from fxzero.optim.grad_views import GradViews
-from fxzero.optim.ledger import Ledger
-from fxzero.optim.param_watch import ParamWatch
-from fxzero.optim.reduced_grads import ReducedGrads
+from fxzero.optim.gradients import grad_sync
+from fxzero.compiled.binding import GraphBinding
+from fxzero.optim.gradients.grad_views import GradViews
+from fxzero.optim.gradients.ledger import Ledger
+from fxzero.optim.params.param_watch import ParamWatch
+from fxzero.optim.gradients.reduced_grads import ReducedGrads
 
 
 class Block(nn.Module):
@@ -137,19 +137,19 @@ def phase_rows(phases: dict[str, dict[str, list[float]]], skip: int, graph_calls
 
 # (category, file suffix, function name): inclusive time of these entry points
 ENTRY_POINTS = (
-    ("pre-hook (eager module entry)", "optim/param_sync.py", "__call__"),
-    ("fxzero::wait_params (binding + wait)", "fxzero/ops.py", "wait_params"),
-    ("fxzero::grads_ready (binding + add + report)", "fxzero/ops.py", "grads_ready"),
-    ("  of which add into main_grad + report", "optim/grad_sync.py", "add_compiled"),
-    ("    of which the ledger", "optim/ledger.py", "compiled_grads"),
-    ("    of which launching", "optim/grad_sync.py", "_launch"),
-    ("forward counting: the ledger's count", "optim/binding.py", "forward_ran"),
-    ("forward counting: finding the autograd node", "optim/binding.py", "backward_node"),
-    ("eager post-accumulate hooks (no gradient: handed off)", "optim/grad_sync.py", "hook"),
-    ("end of backward (launch rest + grad views)", "optim/grad_sync.py", "_end_of_backward"),
-    ("  of which the .grad views", "optim/grad_views.py", "install"),
+    ("pre-hook (eager module entry)", "optim/params/param_sync.py", "__call__"),
+    ("fxzero::wait_params (binding + wait)", "fxzero/compiled/ops.py", "wait_params"),
+    ("fxzero::grads_ready (binding + add + report)", "fxzero/compiled/ops.py", "grads_ready"),
+    ("  of which add into main_grad + report", "optim/gradients/grad_sync.py", "add_compiled"),
+    ("    of which the ledger", "optim/gradients/ledger.py", "compiled_grads"),
+    ("    of which launching", "optim/gradients/grad_sync.py", "_launch"),
+    ("forward counting: the ledger's count", "compiled/binding.py", "forward_ran"),
+    ("forward counting: finding the autograd node", "compiled/binding.py", "backward_node"),
+    ("eager post-accumulate hooks (no gradient: handed off)", "optim/gradients/grad_sync.py", "hook"),
+    ("end of backward (launch rest + grad views)", "optim/gradients/grad_sync.py", "_end_of_backward"),
+    ("  of which the .grad views", "optim/gradients/grad_views.py", "install"),
     ("step()", "fxzero/distributed_optimizer.py", "step"),
-    ("  of which the global grad norm", "optim/reduced_grads.py", "total_norm"),
+    ("  of which the global grad norm", "optim/gradients/reduced_grads.py", "total_norm"),
 )
 
 
@@ -277,7 +277,7 @@ def main() -> None:
     extra = {p: phase_extra(phases, p, args.warmup) for p in PHASES}
     print(f"fxzero adds {(extra['forward'] + extra['backward']) / graph_calls:.1f} us per graph call in forward and backward "
           f"({graph_calls} graph calls per step); its step() takes {extra['step']:+.1f} us against plain AdamW's "
-          "(the flat update: fxzero/optim/flat_update.py)")  # fmt: skip
+          "(the flat update: fxzero/optim/update/flat_update.py)")  # fmt: skip
     ratio = medians["fxzero"] / medians["plain"]
     print(f"fxzero step time = {ratio:.3f}x plain torch.compile (target <= 1.15x): {'PASS' if ratio <= 1.15 else 'FAIL'}")
     per_phase = {"forward": args.blocks, "backward": args.blocks}  # graph calls in each phase

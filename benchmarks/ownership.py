@@ -12,7 +12,7 @@ per step, each timed after a barrier, so machine drift slows every config alike)
 * **fxzero elementwise AdamW**: ``Config(state_sharding="elementwise")``: every rank owns 1/dp of
   every bucket's elements (params cut into 1-D fragments);
 * **fxzero whole_params AdamW**: ``Config(state_sharding="whole_params")``: every param owned
-  whole by one rank (``fxzero/optim/ownership.py`` deals params into per-rank regions of each
+  whole by one rank (``fxzero/optim/layout/ownership.py`` deals params into per-rank regions of each
   bucket; the shard is the largest region, the rest padding);
 * **DDP + ZeRO AdamW**: eager ``DDP`` + ``ZeroRedundancyOptimizer(AdamW)`` (``peers.build``);
 * **fxzero whole_params Adafactor** and **fxzero Muon (whole) + AdamW (auto)** (Muon, lr 0.02, on

@@ -6,7 +6,8 @@ as a torch.compile backend.
 
 from typing import Any
 
-from . import mxfp8, ops  # noqa: F401  ops: defines the fxzero:: custom ops that compiled graphs call
+from . import mxfp8  # noqa: F401
+from .compiled import ops  # noqa: F401  defines the fxzero:: custom ops that compiled graphs call
 from ._torch_compat import register_torch_log
 from .config import Config, default_bucket_size
 from .explainer import explain

@@ -485,7 +485,7 @@ def storageless_like(cls: type, like: torch.Tensor) -> torch.Tensor:
     no storage.
 
     What for: ``p.grad`` views of gradients that live sharded over ranks
-    (:mod:`fxzero.optim.grad_views`). Uses ``torch.Tensor._make_wrapper_subclass`` (what
+    (:mod:`fxzero.optim.gradients.grad_views`). Uses ``torch.Tensor._make_wrapper_subclass`` (what
     DTensor and FSDP2 build on); if torch renames it, the same under its new name.
     """
     return torch.Tensor._make_wrapper_subclass(cls, like.shape, dtype=like.dtype, device=like.device)

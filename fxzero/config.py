@@ -134,7 +134,7 @@ class Config:
     """Give every rank rank 0's module buffers (BatchNorm's running statistics) once per
     step, as DDP's ``broadcast_buffers=True`` (``forward_sync_buffers`` since torch 2.13)
     does before each training forward: each step's forwards start from rank 0's buffers
-    on every rank, bit for bit (:mod:`fxzero.optim.buffer_sync` says when and why).
+    on every rank, bit for bit (:mod:`fxzero.optim.params.buffer_sync` says when and why).
     Needs ``DistributedOptimizer(..., module=model)``: without a module no buffer is known
     and nothing is broadcast; a module without buffers costs nothing. ``False`` lets each
     rank's buffers follow its own data after the construction-time broadcast (which
@@ -162,12 +162,12 @@ class Config:
     something else on fragments, without an error.
 
     ``"whole_params"``: every param is owned, whole, by one rank, balanced by size
-    (:mod:`fxzero.optim.ownership`); the wrapped optimizer gets views shaped like the params.
+    (:mod:`fxzero.optim.layout.ownership`); the wrapped optimizer gets views shaped like the params.
     Exact for any optimizer that updates each param on its own; costs padding where the
     params of a bucket do not split evenly over ranks (``fxzero.explain`` shows it).
 
     ``"auto"`` (the default): ``"elementwise"`` for the torch.optim classes known to be
-    elementwise (``fxzero.optim.validation.ELEMENTWISE_OPTIMIZERS``), ``"whole_params"`` for
+    elementwise (``fxzero.optim.layout.validation.ELEMENTWISE_OPTIMIZERS``), ``"whole_params"`` for
     every other class, subclasses and third-party optimizers included: an optimizer fxzero
     does not know is served exactly. Say ``"elementwise"`` for one you know is (Lion) to
     get the even split."""

@@ -2,7 +2,7 @@
 
 A step has three communication phases, all on buffers laid out once at construction:
 
-1. **reduce-scatter** (launched during backward when :class:`~fxzero.optim.ledger.Ledger` says a bucket is ready,
+1. **reduce-scatter** (launched during backward when :class:`~fxzero.optim.gradients.ledger.Ledger` says a bucket is ready,
    finished at the top of :meth:`DistributedOptimizer.step`): each bucket's ``grad_data``
    is averaged over ranks into this rank's pre-made shard view of it;
 2. **shard update**: one small all-reduce carries each param's squared grad norm over
@@ -10,7 +10,7 @@ A step has three communication phases, all on buffers laid out once at construct
    optimizer updates the fp32 main fragments of this rank's shards only (1/dp of the
    optimizer state per rank), skipping params that got no gradient on any rank and the
    whole update when the global norm is not finite. Under whole-param ownership
-   (``Config.state_sharding``, :mod:`fxzero.optim.ownership`) a rank's shard holds whole
+   (``Config.state_sharding``, :mod:`fxzero.optim.layout.ownership`) a rank's shard holds whole
    params, and the wrapped optimizer sees them in their own shapes;
 3. **all-gather**: each bucket's updated param shard is gathered back in place into
    ``param_data``, which the model's params are views of. With
@@ -24,15 +24,15 @@ buffers, is never handed to the wrapped optimizer, and is excluded from the norm
 At world size 1 no collective is issued.
 
 Between backward and ``step()`` each managed param's ``.grad`` is a view of its sharded
-gradient (:mod:`fxzero.optim.grad_views`), so ``clip_grad_norm_``, ``GradScaler`` and
+gradient (:mod:`fxzero.optim.gradients.grad_views`), so ``clip_grad_norm_``, ``GradScaler`` and
 ``model.zero_grad()`` act as under DDP. ``step()`` consumes the gradients: the next
 backward starts from zeroed buffers whether the loop calls ``opt.zero_grad()``,
 ``model.zero_grad()`` or neither. Before each update the optimizer checks that the
 params are still its views and takes values written into them since into its fp32
-masters (:mod:`fxzero.optim.param_watch`). At construction every rank checks that all
-ranks lay out the same params (:mod:`fxzero.optim.layout_agreement`) and starts from
-rank 0's values (:mod:`fxzero.optim.initial_broadcast`); each step gives every rank rank 0's
-module buffers, as DDP does (:mod:`fxzero.optim.buffer_sync`).
+masters (:mod:`fxzero.optim.params.param_watch`). At construction every rank checks that all
+ranks lay out the same params (:mod:`fxzero.optim.layout.layout_agreement`) and starts from
+rank 0's values (:mod:`fxzero.optim.params.initial_broadcast`); each step gives every rank rank 0's
+module buffers, as DDP does (:mod:`fxzero.optim.params.buffer_sync`).
 """
 
 from __future__ import annotations
@@ -51,37 +51,38 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch_compat as compat
-from . import ops
+from .compiled import ops
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
-from .optim.added_groups import carried_over, pending_gradients
-from .optim.group_plan import GroupPlan, plan_groups
-from .optim.binding import GraphBinding, InputBinding, OwnerRef
-from .optim.buffer_sync import BufferSync
-from .optim.buffers import build_buffers, owners_of
-from .optim.comm import DataParallelGroup, settle
-from .optim.ddp_guard import refuse_ddp
-from .optim.bucketed_update import updates_param_by_param
-from .optim.flat_update import ByBucket, FlatUpdate
-from .optim.full_grads import gather_full_grads
-from .optim.grad_sync import GradReductions, GradSync
-from .optim.grad_views import GradViews, grad_scaler_state
-from .optim.initial_broadcast import broadcast_initial_state
-from .optim.layout_agreement import check_ranks_agree, describe_layout
-from .optim.ledger import Ledger
-from .optim.mesh import local_of
-from .optim.module_no_sync import install_no_sync
-from .optim.param_sync import Gather, ParamSync, PlainGather, Publish, install_param_waits
-from .optim.ownership import Balance, balance
-from .optim.param_table import ParamTable
-from .optim.param_watch import ParamWatch
-from .optim.rank_state import RankState
-from .optim.reduced_grads import ReducedGrads
-from .optim.sharded_state import ShardedState
-from .optim.shards import build_shards
-from .optim.step_result import StepResult, warn_no_gradients
-from .optim.state_dict import NOT_HYPERPARAMETERS, hyperparameters
-from .optim.validation import check_leaves, check_param_groups_kept, resolve_state_sharding
+from .optim.state.added_groups import carried_over, pending_gradients
+from .optim.layout.group_plan import GroupPlan, plan_groups
+from .compiled.binding import GraphBinding, InputBinding, OwnerRef
+from .optim.params.buffer_sync import BufferSync
+from .optim.layout.buffers import build_buffers, owners_of
+from .optim.communication.comm import DataParallelGroup, settle
+from .optim.params.ddp_guard import refuse_ddp
+from .optim.update.bucketed_update import updates_param_by_param
+from .optim.update.flat_update import ByBucket, FlatUpdate
+from .optim.gradients.full_grads import gather_full_grads
+from .optim.gradients.grad_sync import GradReductions, GradSync
+from .optim.gradients.grad_views import GradViews, grad_scaler_state
+from .optim.params.initial_broadcast import broadcast_initial_state
+from .optim.layout.layout_agreement import check_ranks_agree, describe_layout
+from .optim.gradients.ledger import Ledger
+from .optim.layout.mesh import local_of
+from .optim.gradients.module_no_sync import install_no_sync
+from .optim.params.param_sync import Gather, ParamSync, PlainGather, Publish
+from .optim.params.param_waits import install_param_waits
+from .optim.layout.ownership import Balance, balance
+from .optim.layout.param_table import ParamTable
+from .optim.params.param_watch import ParamWatch
+from .optim.state.rank_state import RankState
+from .optim.gradients.reduced_grads import ReducedGrads
+from .optim.state.sharded_state import ShardedState
+from .optim.layout.shards import build_shards
+from .optim.update.step_result import StepResult, warn_no_gradients
+from .optim.state.state_dict import NOT_HYPERPARAMETERS, hyperparameters
+from .optim.layout.validation import check_leaves, check_param_groups_kept, resolve_state_sharding
 
 __all__ = ["DistributedOptimizer", "StepResult", "find_distributed_optimizer"]
 
@@ -105,7 +106,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     ``process_group`` is the data-parallel group, or a 1-D ``DeviceMesh`` (``mesh["dp"]``);
     DTensor params placed over the mesh's other dims (tensor parallelism) train eagerly or
     compiled (``backend="fxzero"``), their local tensors in the buffers, the gradient norm taken over the whole mesh
-    (:mod:`fxzero.optim.mesh`).
+    (:mod:`fxzero.optim.layout.mesh`).
     """
 
     _step_supports_amp_scaling = True
@@ -214,7 +215,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         self._local_step = compat.unhooked_step(self.local)  # step hooks run once per step, for this optimizer
         self.update = FlatUpdate(self.local, self.fragments, [table.rows[f.slot].group for f in self.fragments],
                                  [table.bucket_of_slot[f.slot] for f in self.fragments], self._kwargs, bucket_count=len(self.buckets))
-        """Runs of adjacent fragments step as one tensor where that gives the same bits (:mod:`fxzero.optim.flat_update`)."""
+        """Runs of adjacent fragments step as one tensor where that gives the same bits (:mod:`fxzero.optim.update.flat_update`)."""
         self._publish = Publish(self.param_sync, [shard.main for shard in sorted(self.shards, key=lambda shard: shard.bucket.index)])
         self._by_bucket = self._plan_by_bucket()
         self._rank_state = RankState(table, self.fragments, self.local)
@@ -227,7 +228,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             reset_if_cleared=self.grad_views.reset_if_cleared, local_grads=self.mesh_params.dtensor_slots,
         )
         self.binding = GraphBinding(table, self.ledger, self.grad_sync, self.param_sync)
-        """What compiled graphs call into (:mod:`fxzero.optim.binding`); dies with the optimizer."""
+        """What compiled graphs call into (:mod:`fxzero.compiled.binding`); dies with the optimizer."""
         for slot, param in enumerate(self.params):
             param._fxzero_owner = OwnerRef(self)
             if slot in self.mesh_params.dtensor_slots:  # compiled graphs see its local tensor
@@ -241,7 +242,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
 
     def _plan_by_bucket(self) -> Optional[ByBucket]:
         """Whether the step updates one bucket at a time, launching each bucket's gather as
-        soon as its shard is done (:mod:`fxzero.optim.bucketed_update`): when there are
+        soon as its shard is done (:mod:`fxzero.optim.update.bucketed_update`): when there are
         gathers and the wrapped class updates each param on its own."""
         if not (self.config.overlap_param_gather_with_optimizer_step and self.dp.size > 1):
             return None
@@ -266,9 +267,9 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         """As torch.optim's, after construction too (LoRA adapters added later, a group of
         layers unfrozen later): collective, every rank adds the same group between steps.
         The buffers are laid out anew over every group; each existing param keeps its
-        optimizer state and fp32 master bitwise (:mod:`fxzero.optim.added_groups`), and
+        optimizer state and fp32 master bitwise (:mod:`fxzero.optim.state.added_groups`), and
         compiled graphs resolve their params against the new layout at their next call
-        (:mod:`fxzero.optim.binding`)."""
+        (:mod:`fxzero.compiled.binding`)."""
         check_leaves(param_group, len(self.param_groups))
         if self._constructing:
             super().add_param_group(param_group)
@@ -308,7 +309,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> StepResult:  # type: ignore[override]
         """Finish grad reduce-scatters, update this rank's shards, gather params.
         The gradients are consumed: the next backward starts from zero. A tensor assigned to
-        ``p.grad`` is used as is, not averaged, as under DDP (:mod:`fxzero.optim.hand_grads`)."""
+        ``p.grad`` is used as is, not averaged, as under DDP (:mod:`fxzero.optim.gradients.hand_grads`)."""
         check_param_groups_kept(self.param_groups, self._built_groups)
         self._consolidated = None
         loss = None
@@ -419,7 +420,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         ``torch.histc``, TensorBoard histograms): what ``p.grad`` holds under DDP, with
         clipping and unscaling applied so far; params without a gradient are left out. A
         collective (one all-gather per bucket): call it on every rank. Fresh fp32 tensors,
-        one copy of the gradients; the step is not changed (:mod:`fxzero.optim.full_grads`)."""
+        one copy of the gradients; the step is not changed (:mod:`fxzero.optim.gradients.full_grads`)."""
         return gather_full_grads(self.param_table, self.grad_views, self.reduced, self.dp)
 
     def _zero_grads(self) -> None:

@@ -9,11 +9,11 @@ no wait for a param's optimizer (overlap off when it compiled, or no optimizer y
 counting wrapper lands that optimizer's gathers before each run instead. A
 :class:`GraphCompiler` keeps plain data (positions, plans) and, only when someone asked for
 one, a dump record: never an optimizer. At run time the ops find
-the optimizer through the params (:mod:`fxzero.optim.binding`).
+the optimizer through the params (:mod:`fxzero.compiled.binding`).
 
 Each run of the compiled forward tells the owners how many gradients its backward will
-deliver per bucket, tied to its autograd node (:func:`~fxzero.optim.binding.counting_forward`,
-:mod:`fxzero.optim.ledger`). A managed param that has tensor hooks
+deliver per bucket, tied to its autograd node (:func:`~fxzero.compiled.binding.counting_forward`,
+:mod:`fxzero.optim.gradients.ledger`). A managed param that has tensor hooks
 (``param.register_hook``) when its graph compiles keeps autograd's path in that graph's
 backward, so its hooks see the real gradient (the eager post-accumulate hook then moves
 it into ``main_grad``).
@@ -37,7 +37,7 @@ from functorch.compile import default_partition, make_boxed_func
 
 from . import _torch_compat as compat
 from . import dump
-from .optim.binding import counting_forward, owner_of
+from .compiled.binding import counting_forward, owner_of
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
 from .passes.bucket_reduce_scatter import ManagedParam
 from .passes.matchers import is_grads_ready
@@ -89,7 +89,7 @@ class GraphCompiler:
         known = {m.position for m in managed}
         self.unmanaged = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter) and i not in known)
         """Params no optimizer managed at compile time: one built later has no wait in this
-        graph (:func:`~fxzero.optim.binding.counting_forward` checks for that on every call)."""
+        graph (:func:`~fxzero.compiled.binding.counting_forward` checks for that on every call)."""
         self.inductor, self.dumper = inductor, dumper
         self.id = next(_graph_ids)
         self.delivered: frozenset[int] = frozenset()

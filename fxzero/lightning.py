@@ -2,7 +2,7 @@
 
 ``strategy="ddp"`` wraps the LightningModule in ``DistributedDataParallel``, which would
 all-reduce every gradient fxzero already reduce-scatters, so fxzero refuses to run inside it
-(:mod:`fxzero.optim.ddp_guard`). :class:`FxzeroStrategy` is Lightning's DDP strategy (its
+(:mod:`fxzero.optim.params.ddp_guard`). :class:`FxzeroStrategy` is Lightning's DDP strategy (its
 launcher, process group, distributed samplers, barriers, checkpoint I/O) without the wrapper;
 what DDP's wrapper did for the loop, fxzero's optimizer does:
 

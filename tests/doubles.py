@@ -7,7 +7,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 
 
 class DeferredGather:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero.optim.grad_views import ShardedGrad
+from fxzero.optim.gradients.grad_views import ShardedGrad
 from fxzero.testing import run_ranks
 
 from models import batch, build, forward_kwargs, loss_fn, param_groups

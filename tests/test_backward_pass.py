@@ -18,7 +18,7 @@ import fxzero.graph_compiler
 from fxzero.backend import BackendOptions
 from fxzero.passes.bucket_reduce_scatter import BucketLaunch, ManagedParam, plan_launches
 from fxzero.passes.matchers import is_grads_ready
-from fxzero.optim.grad_views import ShardedGrad
+from fxzero.optim.gradients.grad_views import ShardedGrad
 
 
 # ---- plans, no graphs -------------------------------------------------------------

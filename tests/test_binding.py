@@ -168,7 +168,7 @@ def test_a_graph_compiled_before_its_optimizer_existed_lands_the_gathers_and_say
     with overlap took them, it lands every bucket first (it read last step's values before,
     ~15% off by the second step), and warns once with the fix. The eager inner compiler only:
     the landing runs in the graph's Python wrapper before the compiled code is called
-    (``optim/binding.py``), so no inner compiler can move a read ahead of it (an Inductor case
+    (``compiled/binding.py``), so no inner compiler can move a read ahead of it (an Inductor case
     here cost 11-15 s of a cold suite for the same check)."""
     expected = _losses_with_warm_up(False)
     with pytest.warns(UserWarning, match=r"read params of a DistributedOptimizer before the optimizer existed.*torch\.compiler\.reset\(\)"):
@@ -269,7 +269,7 @@ def test_a_wait_with_no_stale_bucket_looks_nothing_up() -> None:
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model, config=config)
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
-    binding = fxzero.optim.binding.GraphBinding
+    binding = fxzero.compiled.binding.GraphBinding
     with mock.patch.object(binding, "wait", autospec=True, side_effect=binding.wait) as wait:
         cmodel(torch.randn(4, 8)).sum().backward()
     opt.zero_grad()

@@ -81,8 +81,8 @@ def test_optimizer_groups_params_by_dtype_into_buffers() -> None:
 
 
 def _exchange(dp_size: int, rank: int, chunk_bytes: int, slots: int = 2):
-    from fxzero.optim.comm import DataParallelGroup
-    from fxzero.optim.grad_exchange import GradExchange
+    from fxzero.optim.communication.comm import DataParallelGroup
+    from fxzero.optim.gradients.grad_exchange import GradExchange
 
     params = make_params((200,), (64,), (3000,), (8,), (200,))
     plan = plan_buckets(params, dp_size=dp_size, bucket_size=150)
@@ -125,7 +125,7 @@ def test_exchange_chunks_send_views_of_the_buffer_and_receive_into_the_slots() -
 
 
 def test_exchange_sums_in_rank_order_in_place() -> None:
-    from fxzero.optim.grad_exchange import _sum_in_rank_order
+    from fxzero.optim.gradients.grad_exchange import _sum_in_rank_order
 
     # float32 addition is not associative here: only rank order gives (1e8 + 1) - 1e8 + 1 = 1 ... exactly
     copies = [torch.tensor([1e8], dtype=torch.float32), torch.tensor([1.0]), torch.tensor([-1e8]), torch.tensor([1.0])]

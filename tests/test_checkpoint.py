@@ -389,7 +389,7 @@ def test_a_dead_or_silent_peer_makes_the_others_fail_naming_the_bucket(how: str)
     raised_after = float(re.search(r"\[raised after ([\d.]+) s\]", message).group(1))
     print(f"{how}: rank 0 raised after {raised_after:.2f} s; the pool reported after {elapsed:.1f} s")
     assert raised_after < PG_TIMEOUT + 2, raised_after
-    assert "fxzero.optim.comm.CollectiveError: fxzero: rank 0 of 2 failed waiting for the" in message, message
+    assert "fxzero.optim.communication.comm.CollectiveError: fxzero: rank 0 of 2 failed waiting for the" in message, message
     assert "gradient reduction of bucket 0 (params: out.bias, out.weight, fc2.bias" in message, message
     assert elapsed < PG_TIMEOUT + 8, elapsed
 

@@ -7,7 +7,7 @@ start them, without its agent), all cases at once; each ends by returning from t
 with and without ``dist.destroy_process_group()``. Slow tier: ten processes importing torch
 take ~20 s on two cores. A backward error caught, then exit without ``destroy_process_group``,
 aborted 7 in 10 runs (a gloo worker thread releasing an all-to-all's tensors during Python's
-finalization); fxzero now settles its collectives at exit (:func:`fxzero.optim.comm.settle`):
+finalization); fxzero now settles its collectives at exit (:func:`fxzero.optim.communication.comm.settle`):
 0 in 60 runs. At the old rate, the one pair here catches a regression 7 times in 10.
 """
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from expecttest import TestCase
 
 import fxzero
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.target import load_target
 from models import GPT, GPTArgs
 

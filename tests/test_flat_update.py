@@ -1,4 +1,4 @@
-"""The flat update (:mod:`fxzero.optim.flat_update`): runs of adjacent fragments step as one
+"""The flat update (:mod:`fxzero.optim.update.flat_update`): runs of adjacent fragments step as one
 tensor, with the bits the fragment-by-fragment update gives, and fall back to it exactly.
 
 The model's params are multiples of 64 elements, so no alignment padding splits them and
@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import fxzero
-from fxzero.optim.flat_update import Place, Run, flat_update_applies, plan_runs
-from fxzero.optim.shards import FragmentTensor
-from fxzero.optim.validation import ELEMENTWISE_OPTIMIZERS
+from fxzero.optim.update.flat_update import Place, Run, flat_update_applies, plan_runs
+from fxzero.optim.layout.shards import FragmentTensor
+from fxzero.optim.layout.validation import ELEMENTWISE_OPTIMIZERS
 
 from models import build, param_groups, runs_from_initial_state, train_steps
 
@@ -260,7 +260,7 @@ def test_under_inductor_the_flat_update_trains_bitwise_like_the_fragment_by_frag
     cmodel = torch.compile(model, backend="fxzero", dynamic=False)
 
     def train(flat: bool) -> tuple[list[float], list[torch.Tensor], int]:
-        with contextlib.nullcontext() if flat else mock.patch("fxzero.optim.flat_update.flat_update_applies", return_value=False):
+        with contextlib.nullcontext() if flat else mock.patch("fxzero.optim.update.flat_update.flat_update_applies", return_value=False):
             opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, module=model)
         losses = train_steps(name, cmodel, opt, range(STEPS), 8)
         return losses, [p.detach().clone() for p in model.parameters()], opt.update.flat_steps

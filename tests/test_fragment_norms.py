@@ -1,4 +1,4 @@
-"""Fragment norms in runs (fxzero/optim/fragment_norms.py): the plan without tensors, then the
+"""Fragment norms in runs (fxzero/optim/gradients/fragment_norms.py): the plan without tensors, then the
 bits against torch._foreach_norm, which step() used per fragment before."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fxzero
-from fxzero.optim.fragment_norms import FragmentNorms, NormRun, plan_norm_runs
+from fxzero.optim.gradients.fragment_norms import FragmentNorms, NormRun, plan_norm_runs
 
 
 def test_a_repeated_block_layout_becomes_one_run_per_fragment_kind() -> None:

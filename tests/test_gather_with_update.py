@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero.optim.bucketed_update import BucketParts, step_each_bucket, updates_param_by_param
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.update.bucketed_update import BucketParts, step_each_bucket, updates_param_by_param
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from models import batch, build, forward_kwargs, loss_fn, param_groups, runs_from_initial_state

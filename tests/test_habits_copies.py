@@ -21,7 +21,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.profiler import ProfilerActivity, profile
 
 import fxzero
-from fxzero.optim.binding import owner_of
+from fxzero.compiled.binding import owner_of
 from fxzero.testing import run_ranks
 
 warnings.filterwarnings("ignore", message="fxzero: this compiled graph")

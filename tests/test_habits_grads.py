@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 import fxzero
 from fxzero.optim import ShardedGrad
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from models import batch, build, loss_fn, param_groups

@@ -25,7 +25,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import fxzero
-from fxzero.optim.ledger import LateGradient
+from fxzero.optim.gradients.ledger import LateGradient
 from fxzero.testing import run_ranks
 
 STEPS = 3

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
 import fxzero
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from doubles import deferred_all_gather

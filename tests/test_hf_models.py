@@ -29,7 +29,7 @@ torchvision_compat.ensure_torchvision_importable()  # rank processes import this
 from transformers import BertConfig, BertForMaskedLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 import fxzero
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from doubles import deferred_all_gather

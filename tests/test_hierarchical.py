@@ -112,7 +112,7 @@ def test_two_instances_of_two_train_like_flat_world_4_and_one_process(inner: Opt
 
 
 def test_a_2d_mesh_with_other_dim_names_is_refused_naming_both_fixes() -> None:
-    from fxzero.optim.comm import _mesh_groups
+    from fxzero.optim.communication.comm import _mesh_groups
 
     class Mesh(torch.distributed.device_mesh.DeviceMesh):  # type: ignore[misc]
         def __init__(self) -> None:  # no process group needed to be refused

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from fxzero.optim.ledger import LateGradient, Ledger
+from fxzero.optim.gradients.ledger import LateGradient, Ledger
 
 
 class FakeEngine:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero.optim import grad_exchange
+from fxzero.optim.gradients import grad_exchange
 from fxzero.testing import run_ranks
 
 

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 import fxzero
 from fxzero import mxfp8
 from fxzero.optim import plan_buckets
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from doubles import deferred_all_gather

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero.optim.validation import ELEMENTWISE_OPTIMIZERS
+from fxzero.optim.layout.validation import ELEMENTWISE_OPTIMIZERS
 from fxzero.testing import run_ranks
 
 STEPS = 3

@@ -22,7 +22,7 @@ from expecttest import TestCase
 import fxzero
 import fxzero.graph_compiler
 from fxzero.backend import fxzero_backend
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from doubles import DeferredGather, deferred_all_gather

@@ -32,7 +32,7 @@ from torch._inductor.utils import run_and_get_code
 
 import fxzero
 from fxzero.passes.param_gather_wait import hoist_waits_above_readers
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from doubles import deferred_all_gather

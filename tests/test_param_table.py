@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 import fxzero
-from fxzero.optim.param_table import ParamTable, param_names
+from fxzero.optim.layout.param_table import ParamTable, param_names
 
 
 def test_rows_follow_group_order_with_names_groups_and_buckets() -> None:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero.optim import grad_exchange
+from fxzero.optim.gradients import grad_exchange
 from fxzero.testing import run_ranks
 
 from models import batch, build, loss_fn, param_groups

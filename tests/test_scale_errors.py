@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import fxzero
-from fxzero.optim import layout_agreement, mesh as mesh_module
+from fxzero.optim.layout import layout_agreement, mesh as mesh_module
 from fxzero.testing import run_ranks
 
 LR = 1e-2

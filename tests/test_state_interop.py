@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 import fxzero
-from fxzero.optim import sharded_state
+from fxzero.optim.state import sharded_state
 from fxzero.testing import run_ranks
 
 STEPS = 3

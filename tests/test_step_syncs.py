@@ -4,7 +4,7 @@ On CPU a test double counts them: a torch function mode sees every read of a ten
 value into Python (``item``, ``tolist``, ``bool``/``float``/``int``, ``torch.equal``, ...).
 Tensors torch.optim keeps on the host by design (its ``step`` counters, CPU tensors even
 on a GPU) are not counted. ``tests/test_cuda.py`` checks the same with CUDA's own sync
-debug mode where a GPU is. The flat update (:mod:`fxzero.optim.flat_update`) applies on the
+debug mode where a GPU is. The flat update (:mod:`fxzero.optim.update.flat_update`) applies on the
 CPU only, so these runs take the path a GPU takes, fragment by fragment (:func:`_as_on_a_gpu`).
 """
 
@@ -46,7 +46,7 @@ def _as_on_a_gpu() -> Iterator[None]:
     """The optimizer built inside steps fragment by fragment, as on a GPU (on the CPU its flat
     update compares step counts once, when it homes the state, and its twin reads its own step
     counters: host reads, never syncs)."""
-    with mock.patch("fxzero.optim.flat_update.flat_update_applies", return_value=False):
+    with mock.patch("fxzero.optim.update.flat_update.flat_update_applies", return_value=False):
         yield
 
 

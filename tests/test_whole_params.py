@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 import fxzero
 from fxzero.optim import plan_buckets
-from fxzero.optim.layout import param_start_alignment, shard_fragments
-from fxzero.optim.ownership import balance, plan_owned_buckets
+from fxzero.optim.layout.layout import param_start_alignment, shard_fragments
+from fxzero.optim.layout.ownership import balance, plan_owned_buckets
 from fxzero.testing import run_ranks
 
 from models import batch, build, loss_fn, param_groups

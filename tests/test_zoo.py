@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
-from fxzero.optim.comm import DataParallelGroup
+from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.testing import run_ranks
 
 from doubles import deferred_all_gather

@@ -60,7 +60,7 @@ from .state import (
     slot_names,
 )
 from ..distributed_optimizer import DistributedOptimizer
-from ..optim.comm import DataParallelGroup
+from ..optim.communication.comm import DataParallelGroup
 from .ranks import CheckpointRanks
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]

@@ -14,7 +14,7 @@ mistakes hang instead of fail:
   :data:`ARRIVAL_WARNING` seconds says so early, naming the late ranks (a rank-0-only
   evaluation or upload before the save is ordinary; a forgotten call is not). A rank that
   timed out takes its call back, so the ranks' next calls meet again
-  (:func:`~fxzero.optim.arrival.meet`);
+  (:func:`~fxzero.optim.communication.arrival.meet`);
 * **a failure on one rank** (its disk is full): the others would wait for it in the next
   collective. :meth:`CheckpointRanks.together` runs a step on every rank, then gathers every
   rank's failure, so all of them raise the same :class:`CheckpointError`.
@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from ..optim.arrival import Absent, Mismatch, meet
-from ..optim.comm import DataParallelGroup
+from ..optim.communication.arrival import Absent, Mismatch, meet
+from ..optim.communication.comm import DataParallelGroup
 from .state import CheckpointError
 
 __all__ = ["ARRIVAL_WARNING", "CheckpointRanks"]
@@ -98,7 +98,7 @@ class CheckpointRanks:
         ``call`` (``"save_checkpoint(step=5)"``); raise on every rank that arrived if one
         called something else, or if some rank has not arrived within ``timeout`` seconds
         (``None``: the process group's timeout); warn after :data:`ARRIVAL_WARNING` seconds
-        (:func:`~fxzero.optim.arrival.meet`)."""
+        (:func:`~fxzero.optim.communication.arrival.meet`)."""
         try:
             meet(self.dp, _KEYS, call, timeout, device, warn_after=ARRIVAL_WARNING, late=functools.partial(self._late, call))
         except Mismatch as err:

@@ -44,8 +44,8 @@ from torch.distributed.checkpoint.utils import find_state_dict_object
 from torch.distributed.tensor import DTensor
 
 from .._torch_compat import dtensor_global_offset, dtensor_local
-from ..optim.shards import FragmentTensor
-from ..optim.state_dict import hyperparameters, is_elementwise_state
+from ..optim.layout.shards import FragmentTensor
+from ..optim.state.state_dict import hyperparameters, is_elementwise_state
 from .pieces import Pieces
 
 if TYPE_CHECKING:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from tabulate import tabulate
 
-from ..optim.mesh import local_of
+from ..optim.layout.mesh import local_of
 from .collectives import MODEL_COLLECTIVE, describe_group, gather_name, reduction_name
 from .schedule import PARTS
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
-from ..optim.mesh import local_of
+from ..optim.layout.mesh import local_of
 
 if TYPE_CHECKING:
     from .explained import Explained

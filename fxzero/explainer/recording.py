@@ -19,7 +19,7 @@ import torch
 import torch.fx as fx
 
 from ..dump import GraphDumper, InsertedNode, inserted_nodes
-from ..optim.mesh import local_of
+from ..optim.layout.mesh import local_of
 
 __all__ = ["Graph", "Recorded", "param_names", "record"]
 

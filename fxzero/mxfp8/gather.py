@@ -17,7 +17,7 @@ with it, the rows are the first ``33/32 * numel`` bytes of the bucket's own
 that bucket's grad region afterwards, so no gradient is ever added onto gather bytes.
 Gradients and gathered params are not live at once: a bucket is landed before its
 first read in the forward, and the runtime lands any bucket still pending before a
-gradient is written to it or it is reduced (see :class:`~fxzero.optim.grad_sync.GradSync`).
+gradient is written to it or it is reduced (see :class:`~fxzero.optim.gradients.grad_sync.GradSync`).
 Without reuse the rows live in one separate byte buffer.
 
 Only :meth:`publish` allocates (the quantizer's float32 temporary of one shard); the
@@ -39,9 +39,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..optim.buffers import Bucket
-from ..optim.comm import DataParallelGroup
-from ..optim.param_sync import Gather
+from ..optim.layout.buffers import Bucket
+from ..optim.communication.comm import DataParallelGroup
+from ..optim.params.param_sync import Gather
 from . import cast as mxfp8
 
 __all__ = ["Mxfp8Gather", "payload_bytes"]

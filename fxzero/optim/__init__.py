@@ -2,15 +2,15 @@
 the flat update, the process group, the readiness ledger, gradient reduce-scatters and param all-gathers
 (the gather protocol). :class:`fxzero.DistributedOptimizer` assembles them."""
 
-from .buffers import Bucket, ParamAndGradBuffer, shard_buffer
-from .comm import CollectiveError, DataParallelGroup
-from .grad_sync import GradReductions, GradSync
-from .grad_views import ShardedGrad
-from .layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, param_start_alignment, plan_buckets, shard_fragments
-from .ledger import Ledger
-from .ownership import Balance, balance, plan_owned_buckets
-from .param_sync import Gather
-from .param_table import ParamRow, ParamTable
+from .layout.buffers import Bucket, ParamAndGradBuffer, shard_buffer
+from .communication.comm import CollectiveError, DataParallelGroup
+from .gradients.grad_sync import GradReductions, GradSync
+from .gradients.grad_views import ShardedGrad
+from .layout.layout import BucketPlan, BufferPlan, Fragment, bucket_divisor, param_start_alignment, plan_buckets, shard_fragments
+from .gradients.ledger import Ledger
+from .layout.ownership import Balance, balance, plan_owned_buckets
+from .params.param_sync import Gather
+from .layout.param_table import ParamRow, ParamTable
 
 __all__ = [
     "Balance",

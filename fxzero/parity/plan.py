@@ -20,7 +20,7 @@ import torch.nn as nn
 from .._torch_compat import batch_norm_base
 from ..config import Config
 from ..distributed_optimizer import DistributedOptimizer
-from ..optim.state_dict import hyperparameters
+from ..optim.state.state_dict import hyperparameters
 from ..target import TargetError
 
 __all__ = [

@@ -37,7 +37,7 @@ def is_wait_params(node: fx.Node) -> bool:
 
 
 def remove_module_marks(gm: fx.GraphModule) -> None:
-    """Drop the ``module_entered`` marks (:mod:`fxzero.ops`); they compute nothing. The
+    """Drop the ``module_entered`` marks (:mod:`fxzero.compiled.ops`); they compute nothing. The
     joint pass drops them before partitioning (which would put them in the backward); the
     forward pass after planning its waits (there a mark counts as a reader of its module's
     params). Either way every managed param input of a forward gets its wait before the

@@ -1,0 +1,1 @@
+"""The data-parallel process group (collectives, waits that name what failed) and the store-based meeting of ranks."""

@@ -1,0 +1,296 @@
+"""The readiness ledger: which buckets may launch their gradient reduction now.
+
+Pure state, no collective: expected gradient counts per bucket and per pending forward
+go in, and each answer is the range of buckets that may launch now. The one rule that
+decides launches lives here:
+
+* A bucket is **ready** when every contribution expected of it this step arrived. The
+  eager baseline expects one per param its compiled graphs do not read (an eager param's
+  post-accumulate hook fires once per backward, however many times it was used); each run
+  of a compiled forward adds what its backward will deliver per bucket (:meth:`forward_ran`).
+* A bucket **launches** when it is ready and every lower-indexed bucket launched, so every
+  rank issues its collectives in bucket order whatever order data-dependent control flow
+  produced the gradients in. The end of each backward launches the rest
+  (:meth:`end_of_backward`), so a param that got no gradient never blocks.
+* Under ``no_sync`` (:attr:`accumulating`) nothing launches.
+* A param read both by a compiled graph and eagerly ("mixed", a tied embedding across a
+  graph break) is discovered when its eager gradient first arrives; its eager
+  contribution is expected from then on. The first step after a new graph compiled is a
+  **learning** step that launches only at the end of backward, so such a discovery never
+  comes after its bucket launched.
+
+**Pending forwards.** A forward whose backward never runs (a validation loss computed with
+grad enabled) would leave its counts behind, and each bucket it read would wait for the end
+of the next backward: the overlap silently lost. So each forward's counts stay tied to its
+autograd node; at the first gradient of every backward exactly the recorded forwards that
+this backward executes are counted and the others taken out (put back if a later backward
+runs them). A forward's backward may run more than once (``retain_graph=True``: an actor
+loss's backward under ``no_sync()``, then a critic loss's through the same graph): each
+backward that executes it counts its gradients again, since the earlier one consumed them.
+Forwards whose graph was freed are forgotten. Counts survive :meth:`start_step`: a forward's
+backward may come after ``zero_grad()`` or ``step()``.
+
+The autograd engine is reached through an :class:`Engine` given at construction, so the
+ledger is tested with a fake one, without autograd or a process group
+(``tests/test_ledger.py``), like :func:`~fxzero.optim.layout.layout.plan_buckets`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import weakref
+from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+
+import torch
+
+from ..._torch_compat import current_graph_task_id, will_engine_execute_node
+
+__all__ = ["AUTOGRAD", "Engine", "LateGradient", "Ledger"]
+
+log = logging.getLogger(__name__)
+
+NOTHING = range(0)
+
+
+class Engine(Protocol):
+    """What the ledger asks the autograd engine."""
+
+    def task_id(self) -> int:
+        """The running backward's id; -1 outside a backward."""
+
+    def will_execute(self, node: Any) -> bool:
+        """Whether the running backward executes autograd ``node``."""
+
+
+class _Autograd:
+    task_id = staticmethod(current_graph_task_id)
+
+    @staticmethod
+    def will_execute(node: Any) -> bool:
+        return will_engine_execute_node(node)
+
+
+AUTOGRAD: Engine = _Autograd()
+
+
+class LateGradient(RuntimeError):
+    """A gradient arrived for a bucket that was already launched in this step."""
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class _Forward:
+    node: "weakref.ref[Any]"
+    counts: Sequence[tuple[int, int]]
+    """``(bucket, gradients)`` its backward delivers."""
+    counted: bool = True
+    """Its counts are in the pending counts and not yet delivered."""
+    task: int = -1
+    """The backward that last executed it (its gradients consumed its counts); -1 before any."""
+
+
+class Ledger:
+    """Readiness of a fixed list of buckets; slot ``s`` lives in bucket ``bucket_of_slot[s]``."""
+
+    def __init__(
+        self,
+        bucket_of_slot: Sequence[int],
+        num_buckets: int,
+        *,
+        label: Callable[[int], str] = str,
+        engine: Engine = AUTOGRAD,
+        requires_grad: Optional[Callable[[], bytes]] = None,
+    ) -> None:
+        self.bucket_of_slot = tuple(bucket_of_slot)
+        self.num_buckets = num_buckets
+        self._label, self._engine = label, engine
+        n = len(self.bucket_of_slot)
+        self.compiled = bytearray(n)
+        """``compiled[slot]`` is 1 once a compiled graph's backward hands that gradient over directly."""
+        self._mixed = bytearray(n)  # ... and it also gets eager gradients
+        self._baseline = [0] * num_buckets  # eager contributions expected
+        for bucket in self.bucket_of_slot:
+            self._baseline[bucket] += 1
+        self._pending = list(self._baseline)
+        self._next = 0  # buckets below have launched
+        self._zeros = bytes(n)
+        self._seen = bytearray(n)
+        self.presence = bytearray(n)
+        """``presence[slot]`` is 1 once that param got any gradient since the step began."""
+        self.presence_tensor = torch.frombuffer(self.presence, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
+        self.written = False
+        """A gradient reached the buffers since they were last zeroed (:meth:`zeroed`)."""
+        self.learning = False
+        self.accumulating = False
+        self._forwards: list[_Forward] = []
+        self._task = -1
+        self._requires_grad = requires_grad
+        """Each param's ``requires_grad`` as bytes, asked at the start of every backward (see :meth:`_follow_freezing`)."""
+        self._ones = b"\x01" * n
+        self._requires_seen = self._ones
+        self._frozen = bytearray(n)
+        """``_frozen[slot]`` is 1 while the param is left out of the eager counts, frozen."""
+
+    # ---- in: what the producers report ------------------------------------------
+    def compiled_graph(self, slots: Iterable[int]) -> None:
+        """A newly compiled graph reads ``slots``: their gradients come from its backward,
+        counted per forward run. The next step is a learning step."""
+        for slot in slots:
+            if not self.compiled[slot]:
+                self.compiled[slot] = 1
+                if not self._frozen[slot]:  # a frozen one is out of the eager counts already
+                    self._baseline[self.bucket_of_slot[slot]] -= 1
+                    self._pending[self.bucket_of_slot[slot]] -= 1
+        self.learning = True
+
+    def forward_ran(self, counts: Sequence[tuple[int, int]], node: Any) -> None:
+        """A compiled forward ran; its backward (from autograd ``node``) delivers ``count``
+        gradients per bucket. Counted under ``no_sync`` too: the backward subtracts them
+        whichever context it runs in."""
+        self._adjust(counts, 1)
+        self._forwards.append(_Forward(weakref.ref(node), counts))
+
+    def eager_grad(self, slot: int) -> Optional[range]:
+        """Param ``slot``'s eager gradient arrived; ``None`` when it is not a counted
+        contribution (accumulating, a repeat, or a mixed param discovered now), else the
+        buckets that may launch now."""
+        self._arrived()
+        self.presence[slot] = 1
+        if self.accumulating:
+            return None
+        bucket = self.bucket_of_slot[slot]
+        self.check_open(bucket, slot)
+        if self.compiled[slot] and not self._mixed[slot]:
+            log.info("param %s is read by a compiled graph and eagerly; expecting both from now on", self._label(slot))
+            self._mixed[slot] = 1
+            self._baseline[bucket] += 1
+            return None  # not counted this step: the count did not expect it
+        if self._seen[slot]:
+            return None
+        self._seen[slot] = 1
+        return self._contribute(bucket, 1)
+
+    def compiled_grads(self, bucket: int, count: int, slots: Sequence[int]) -> Optional[range]:
+        """``count`` gradients of ``bucket`` arrived from a compiled backward (the caller
+        marks their presence: ``slots``); ``None`` when accumulating, else the buckets that may launch."""
+        self._arrived()
+        if bucket < self._next:
+            self.check_open(bucket, int(slots[0]))
+        self._pending[bucket] -= count
+        return None if self.accumulating else self._contribute(bucket, 0)
+
+    def end_of_backward(self) -> range:
+        """The backward finished: the counts were learned; every bucket not launched may launch."""
+        self.learning = False  # not at start_step: zero_grad may sit between forward and backward
+        return self.rest()
+
+    def rest(self) -> range:
+        """Every bucket not launched yet, in order (they count as launched from now on)."""
+        launch, self._next = range(self._next, self.num_buckets), self.num_buckets
+        return launch
+
+    def start_step(self) -> None:
+        """A new step: nothing ready, launched or seen. Counted forwards whose backward has
+        not run yet stay expected; forwards whose graph is gone are forgotten."""
+        self._pending[:] = self._baseline
+        self._forwards = [f for f in self._forwards if f.node() is not None]
+        for forward in self._forwards:
+            if forward.task != -1:  # a backward ran it: what it delivered was this step's
+                forward.counted = False
+            elif forward.counted:
+                self._adjust(forward.counts, 1)
+        self._next = 0
+        self._seen[:] = self._zeros
+        self.presence[:] = self._zeros
+
+    def all_present(self) -> None:
+        """Every param holds a (zero) gradient this step: ``zero_grad(set_to_none=False)``."""
+        self.presence[:] = self._ones
+
+    def zeroed(self) -> None:
+        """The grad buffers were zeroed."""
+        self.written = False
+
+    # ---- out ----------------------------------------------------------------------
+    def has_launched(self, bucket: int) -> bool:
+        """Whether ``bucket`` launched this step: a gradient for it now is late (or follows
+        a ``model.zero_grad()`` the caller resets the step for)."""
+        return bucket < self._next
+
+    @property
+    def launched(self) -> tuple[bool, ...]:
+        return tuple(index < self._next for index in range(self.num_buckets))
+
+    def pending(self, bucket: int) -> int:
+        """Contributions ``bucket`` still waits for this step."""
+        return self._pending[bucket]
+
+    # ---- internals ------------------------------------------------------------------
+    def _contribute(self, bucket: int, count: int) -> range:
+        self._pending[bucket] -= count
+        if self._pending[bucket] > 0 or self.learning:
+            return NOTHING
+        start = self._next
+        while self._next < self.num_buckets and self._pending[self._next] <= 0:
+            self._next += 1
+        return range(start, self._next)
+
+    def check_open(self, bucket: int, slot: int) -> None:
+        """Raise :class:`LateGradient` naming param ``slot`` if ``bucket`` launched this step."""
+        if bucket < self._next:
+            raise LateGradient(
+                f"fxzero: param {self._label(slot)} received a gradient after bucket {bucket} was already "
+                "reduce-scattered in this step. Run every backward but the last inside `optimizer.no_sync()`, "
+                "or call `optimizer.step()`/`zero_grad()` (or `model.zero_grad()` over every param of this "
+                "optimizer) between backwards."
+            )
+
+    def _arrived(self) -> None:
+        """Every gradient: at the first of a backward, count exactly the forwards this
+        backward executes (again, for one an earlier backward ran with ``retain_graph``)
+        and take the others out."""
+        self.written = True
+        task = self._engine.task_id()
+        if task == self._task or task == -1:
+            return
+        self._task = task
+        if self._requires_grad is not None:
+            self._follow_freezing(self._requires_grad())
+        live = []
+        for forward in self._forwards:
+            node = forward.node()
+            runs = node is not None and self._engine.will_execute(node)
+            if runs and forward.task not in (-1, task):  # run again: the earlier backward consumed its counts
+                forward.counted = False
+            if forward.task == -1 or runs:  # one a backward ran keeps its counts consumed, not taken out
+                if runs != forward.counted:
+                    self._adjust(forward.counts, 1 if runs else -1)
+                    forward.counted = runs
+            if runs:
+                forward.task = task
+            if node is not None:
+                live.append(forward)
+        self._forwards = live
+
+    def _follow_freezing(self, requires: bytes) -> None:
+        """A frozen param (``requires_grad=False``) delivers no gradient, so its eager count
+        would hold its bucket, and every bucket after it, until the end of backward: a
+        frozen backbone (LoRA, gradual unfreezing) would lose all overlap. Asked at the start
+        of each backward, since a param may be frozen or unfrozen between any two; one bytes
+        comparison when nothing changed. (Compiled graphs count what their backward delivers.)"""
+        if requires == self._requires_seen:
+            return
+        self._requires_seen = requires
+        for slot, wants in enumerate(requires):
+            frozen = 0 if wants else 1
+            if frozen == self._frozen[slot]:
+                continue
+            self._frozen[slot] = frozen
+            if not self.compiled[slot] or self._mixed[slot]:  # counted as an eager contribution
+                bucket, delta = self.bucket_of_slot[slot], -1 if frozen else 1
+                self._baseline[bucket] += delta
+                self._pending[bucket] += delta
+
+    def _adjust(self, counts: Sequence[tuple[int, int]], sign: int) -> None:
+        for bucket, count in counts:
+            self._pending[bucket] += sign * count

@@ -1,0 +1,1 @@
+"""Where every param lies: validation of what users pass, bucket and ownership plans, the param table, flat buffers, shard views, DTensor params, and the check that every rank lays out the same params."""

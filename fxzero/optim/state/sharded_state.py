@@ -1,0 +1,262 @@
+"""The state half of :class:`~fxzero.distributed_optimizer.DistributedOptimizer`: ``opt.state``,
+``state_dict()`` / ``load_state_dict()``, the consolidated export and the small fragment API
+that checkpoints use (private methods: a user replacing state by hand would bypass every check of
+``load_state_dict``).
+
+Why a mixin: these methods only read the parts the optimizer assembles (listed below as
+annotations) and never build any, so they live apart from construction and the step. The
+formats themselves are :mod:`fxzero.optim.state.state_dict`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Optional
+
+import torch
+
+from ...config import Config
+from ..._torch_compat import with_load_state_dict_hooks, with_state_dict_hooks
+from ..communication.arrival import Absent, Mismatch, meet
+from ..layout.buffers import ParamAndGradBuffer
+from ..communication.comm import DataParallelGroup
+from ..layout.mesh import MeshParams
+from ..layout.param_table import ParamTable
+from .rank_state import RankState, held_on_any_rank
+from ..layout.shards import BucketShard, FragmentTensor
+from .state_dict import MASTER_KEY, STATE_FORMAT, check_state_dict, consolidated_state, hyperparameters, is_plain_state_dict
+from .state_dict import layout_key, plain_fragment_states
+
+__all__ = ["STATE_DICT_WARNING", "ShardedState"]
+
+STATE_DICT_KEYS = "fxzero/state_dict"
+STATE_DICT_WARNING = 10.0
+"""Seconds a rank waits in ``state_dict()`` for the others before it warns, naming them."""
+
+
+class ShardedState:
+    """State methods over the parts a DistributedOptimizer holds."""
+
+    config: Config
+    dp: DataParallelGroup
+    _consolidated: Optional[dict[str, Any]]
+    buffers: Sequence[ParamAndGradBuffer]
+    shards: Sequence[BucketShard]
+    fragments: Sequence[FragmentTensor]
+    param_table: ParamTable
+    params: Sequence[torch.Tensor]
+    param_groups: list[dict[str, Any]]
+    local: torch.optim.Optimizer
+    mesh_params: MeshParams
+    _rank_state: RankState
+    finish_param_sync: Callable[[], None]
+    _publish_and_gather: Callable[[], None]
+
+    @property
+    def state(self) -> RankState:  # type: ignore[override]
+        """Each managed param's state as this rank holds it (:mod:`fxzero.optim.state.rank_state`)."""
+        return self._rank_state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        if value:  # torch.optim.Optimizer.__init__ assigns an empty dict
+            raise AttributeError("DistributedOptimizer.state is a read-only view; load state with load_state_dict")
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state in ``torch.optim``'s schema: what the wrapped optimizer
+        class over the same param groups would return without fxzero (it loads into one, or
+        back into a DistributedOptimizer at any world size), plus each param's fp32 master
+        values where they are kept apart from the params (``MASTER_KEY``).
+
+        At world size > 1 it is collective, like FSDP's ``optim_state_dict``: every rank of
+        the group calls it, and every rank gets the whole state. A call on some ranks only
+        (``if rank == 0: torch.save(opt.state_dict())``) fails on the ranks that made it
+        within ``Config.state_dict_timeout`` seconds, naming the fix, instead of saving one
+        rank's shard. The exception is ZeroRedundancyOptimizer's protocol, which Lightning
+        and :class:`fxzero.hugging_face.CheckpointCallback` follow: after
+        :meth:`consolidate_state_dict` on every rank, rank ``to`` alone returns the
+        consolidated state (until the next ``step()``). Hooks registered on the optimizer
+        run around it, as in torch.optim."""
+        return with_state_dict_hooks(self, self._whole_state_dict)  # type: ignore[arg-type]
+
+    def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
+        """Gather the whole state onto rank ``to`` of the group (``None``: every rank;
+        collective: every rank calls it), where the next :meth:`state_dict` returns it without
+        a collective, as ``torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict``
+        does. Lightning calls it on every rank before saving a checkpoint on rank 0. What is
+        held is dropped at the next ``step()``, so a later save never returns stale state."""
+        if to is not None and not (isinstance(to, int) and 0 <= to < self.dp.size):
+            raise ValueError(f"consolidate_state_dict(to={to!r}): the optimizer's group has ranks 0..{self.dp.size - 1}")
+        whole = self._collective_state_dict("consolidate_state_dict")
+        self._consolidated = whole if to is None or self.dp.rank == to else None
+
+    def rank_state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the state (fxzero's own format, ``STATE_FORMAT``), for a
+        resume at the same world size, layout and rank: no collective, and every rank must
+        save its own (``load_state_dict`` refuses another rank's, naming it). What
+        ``state_dict()`` returned before fxzero 0.2, and what DTensor params still need."""
+        self.finish_param_sync()
+        return {
+            "format": STATE_FORMAT,
+            "world_size": self.dp.size,
+            "rank": self.dp.rank,
+            "layout": layout_key(self.buffers),
+            "param_groups": [hyperparameters(g) for g in self.param_groups],
+            "local": self.local.state_dict(),
+            "main_shards": [s.main for s in self.shards if not s.main_is_param],
+        }
+
+    def _whole_state_dict(self) -> dict[str, Any]:
+        if self._consolidated is not None:  # the state as of the last step; hyperparameters as they are now
+            return {"state": self._consolidated["state"], "param_groups": self._plain_groups()}
+        return self._collective_state_dict("state_dict")
+
+    def _collective_state_dict(self, call: str) -> dict[str, Any]:
+        """Meet every rank first (:func:`~fxzero.optim.communication.arrival.meet`): a call made on some
+        ranks only fails there in bounded time rather than blocking in the gather."""
+        self._refuse_param_shaped_state(f"opt.{call}()")
+        device = self.params[0].device
+        try:
+            meet(self.dp, STATE_DICT_KEYS, call, self.config.state_dict_timeout, device,
+                 warn_after=STATE_DICT_WARNING, late=functools.partial(_late, self.dp, call))  # fmt: skip
+        except (Absent, Mismatch) as err:
+            raise RuntimeError(_not_collective(self.dp, call, err)) from None
+        self.finish_param_sync()
+        return self.consolidated_state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` saved on this rank, or a plain ``torch.optim`` state
+        dict of the same optimizer class (a run without fxzero: each rank takes its shard).
+        Collective (the params are gathered afterwards): every rank loads, or, if any rank's
+        state dict is wrong, every rank raises, naming that rank's problem. Load-state-dict
+        hooks registered on the optimizer run around it, as in torch.optim."""
+        with_load_state_dict_hooks(self, state_dict, self._load_state_dict)  # type: ignore[arg-type]
+
+    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._consolidated = None
+        plain = is_plain_state_dict(state_dict)
+        if plain:
+            self._refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
+        problem, states = None, []
+        try:
+            if plain:
+                states = plain_fragment_states(state_dict, self.param_table, self.fragments)
+            else:
+                check_state_dict(state_dict, self.dp, layout_key(self.buffers), len(self.param_groups))
+        except (ValueError, KeyError, TypeError) as err:
+            problem = str(err)
+        self.dp.agree(problem, "load_state_dict")
+        with self._replacing_state():
+            if plain:
+                self._load_whole_states(states)
+            else:
+                self.local.load_state_dict(state_dict["local"])
+                separate = [s for s in self.shards if not s.main_is_param]
+                for shard, saved in zip(separate, state_dict["main_shards"]):
+                    shard.main.copy_(saved)
+            for group, saved in zip(self.param_groups, state_dict["param_groups"]):
+                group.update(hyperparameters(saved))
+
+    def consolidated_state_dict(self) -> dict[str, Any]:
+        """The whole optimizer state in plain ``torch.optim`` format, on every rank
+        (collective: every rank of the group calls it). It loads into the wrapped
+        optimizer class over the same param groups without fxzero, or back into a
+        DistributedOptimizer at any world size (:meth:`load_state_dict`). What
+        :meth:`state_dict` returns, without its check that every rank called it."""
+        self._refuse_param_shaped_state("consolidated_state_dict")
+        separate = {s.bucket.index for s in self.shards if not s.main_is_param}
+        bucket_of = self.param_table.bucket_of_slot
+        states = [
+            self._fragment_state(f) | ({MASTER_KEY: f.param} if bucket_of[f.slot] in separate else {})
+            for f in self.fragments
+        ]
+        state = consolidated_state(self.param_table, self.fragments, states, self.dp)
+        return {"state": state, "param_groups": self._plain_groups()}
+
+    def _plain_groups(self) -> list[dict[str, Any]]:
+        """The laid-out groups as torch.optim lists them, with today's hyperparameters
+        (``add_param_group`` consolidates with the new group appended already)."""
+        return [hyperparameters(self.param_groups[g]) | {"params": list(slots)} for g, slots in enumerate(self.param_table.group_slots)]
+
+    def _refuse_param_shaped_state(self, what: str) -> None:
+        """Param-shaped state in plain ``torch.optim`` format of a DTensor param would need its
+        global shape, gathered over the other mesh dimensions too, which this format's export
+        does not do yet: refused, rather than a state of the local shape saved under the global
+        param's name. (fxzero's checkpoints store global shapes: they are not refused.)"""
+        if self.mesh_params.any:
+            slot = min(self.mesh_params.dtensor_slots)
+            raise NotImplementedError(
+                f"fxzero: {what} with DTensor params (e.g. {self.param_table.label(slot)!r}) is not supported yet; "
+                "fxzero.save_checkpoint / load_checkpoint (any data-parallel size and tensor-parallel degree) and "
+                "opt.rank_state_dict() / opt.load_state_dict() of fxzero's own per-rank format (same mesh and layout, "
+                "every rank saving its own) are."
+            )
+
+    # ---- the state API checkpoints use (load_state_dict uses it too) -------------
+    @contextlib.contextmanager
+    def _replacing_state(self) -> Iterator[None]:
+        """Replace this rank's fp32 masters (``fragments[i].param``) or the wrapped
+        optimizer's state inside the block. Gathers in flight land first, so none lands
+        over what is loaded; on exit the masters are published and gathered, so every
+        param holds the loaded values."""
+        self.finish_param_sync()
+        yield
+        self._publish_and_gather()
+        self.finish_param_sync()
+        self._rank_state.held = held_on_any_rank(self.local, self.dp, self.params[0].device)
+
+    def _fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
+        """The wrapped optimizer's state of one of this rank's :attr:`fragments` (AdamW's
+        ``exp_avg``, ``exp_avg_sq``, ``step``); empty before its first update."""
+        return self.local.state.get(fragment.param, {})
+
+    def _load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """Give the wrapped optimizer ``states[i]`` for ``fragments[i]`` (inside
+        :meth:`_replacing_state`); torch.optim's loader casts and moves each tensor as its
+        own policy wants."""
+        if len(states) != len(self.fragments):
+            raise ValueError(f"_load_fragment_states: {len(states)} states for {len(self.fragments)} fragments")
+        index_of = {id(p): i for i, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
+        loaded = {index_of[id(f.param)]: state for f, state in zip(self.fragments, states) if state}
+        self.local.load_state_dict({"state": loaded, "param_groups": self.local.state_dict()["param_groups"]})
+
+    def _load_whole_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """:meth:`_load_fragment_states` of this rank's cut of a whole state
+        (:func:`~fxzero.optim.state.state_dict.plain_fragment_states`), whose fp32 masters
+        (``MASTER_KEY``), where it holds them, go into the fragments (inside :meth:`_replacing_state`)."""
+        masters = [state.pop(MASTER_KEY, None) for state in states]
+        self._load_fragment_states(states)
+        for frag, master in zip(self.fragments, masters):
+            if master is not None:
+                frag.param.copy_(master)
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state on this rank: wrapped-optimizer state + separate fp32 mains."""
+        total = sum(s.main.nbytes for s in self.shards if not s.main_is_param)
+        for per_param in self.local.state.values():
+            total += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
+        return total
+
+
+def _late(dp: DataParallelGroup, call: str, missing: list[int], timeout: float) -> str:
+    return (
+        f"fxzero: opt.{call}() on rank {dp.rank} has waited {STATE_DICT_WARNING:g} s for rank(s) {missing} of "
+        f"{dp.size}; it is collective at world size > 1 (every rank calls it). It fails after {timeout:g} s "
+        "(Config.state_dict_timeout)"
+    )
+
+
+def _not_collective(dp: DataParallelGroup, call: str, err: Exception) -> str:
+    if isinstance(err, Mismatch):
+        return f"fxzero: the ranks made different state calls at the same point: rank 0 called opt.{err.first}(){err.others}"
+    return (
+        f"fxzero: opt.{call}() on rank {dp.rank}: rank(s) {err.missing} of {dp.size} did not call it within "  # type: ignore[attr-defined]
+        f"{err.timeout:g} s (Config.state_dict_timeout). At world size > 1 it is collective: every rank calls it "  # type: ignore[attr-defined]
+        "and gets the whole state, then one rank saves it (`state = opt.state_dict()` before "
+        "`if rank == 0: torch.save(state, ...)`), as with FSDP. Or call opt.consolidate_state_dict() on every rank "
+        "first, after which rank 0 alone may call opt.state_dict(); with the Hugging Face Trainer pass "
+        "callbacks=[fxzero.hugging_face.CheckpointCallback()]. fxzero.save_checkpoint saves sharded state for any world size."
+    )
