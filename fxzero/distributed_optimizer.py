@@ -205,7 +205,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         # gather bytes sit in the grad buffer: land a bucket before touching its grads
         before_grad_write = self.param_sync.wait if self._reuse else None
         requires_grad = functools.partial(_requires_grad, table.params)
-        self.ledger = Ledger(table.bucket_of_slot, len(self.buckets), label=table.label, requires_grad=requires_grad)
+        self.ledger = Ledger(table, len(self.buckets), requires_grad=requires_grad)
         self.reductions = GradReductions(self.buckets, dp, self.ledger, described=described, before_grad_write=before_grad_write,
                                          divide_factor=self.config.gradient_divide_factor)
         self.shards, self.fragments = build_shards(self.buffers, table, dp.rank, separate_mains=self.config.mxfp8_param_gather)
@@ -329,7 +329,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     def _update(self, dropped: list[int], loss: Any) -> StepResult:
         grads = self.reduced
         norm, absent = grads.total_norm(dropped), grads.absent(dropped)
-        self.ledger.start_step()
+        self.ledger.start_step()  # the gradients are measured: the step's one new ledger step
         grad_scale, found_inf = grad_scaler_state(self)
         if len(absent) == len(self.params):
             warn_no_gradients(dropped)
@@ -411,6 +411,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
         not reach, still get weight decay and momentum."""
         self.grad_views.clear()
         self._zero_grads()
+        self.ledger.start_step()  # step() starts its own in _update: one per step, one per zero_grad
         if not set_to_none:
             self.ledger.all_present()
 
@@ -435,7 +436,6 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
                 for buffer in self.buffers:
                     buffer.grad_data.zero_()
             self.ledger.zeroed()
-        self.ledger.start_step()
         self.reduced.reset()
 
     @property

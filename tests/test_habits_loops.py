@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from typing import Any, Callable
+from unittest import mock
 
 import pytest
 import torch
@@ -124,6 +125,26 @@ def test_a_backward_into_gradients_not_cleared_is_still_late() -> None:
     D[0].weight.grad = None
     with pytest.raises(LateGradient, match=r"model\.zero_grad\(\)` over every param"), opt.no_sync():  # a launched bucket
         D[0].weight.sum().backward()
+
+
+def test_each_step_and_each_zero_grad_start_the_ledgers_step_once() -> None:
+    """``step()`` starts one ledger step (the gradients are consumed), ``zero_grad()`` one; so does
+    the ``model.zero_grad()`` reset a late gradient triggers, and a skipped step."""
+    _, D = _gan()
+    opt = _adam("fxzero", D)
+    with mock.patch.object(opt.ledger, "start_step", wraps=opt.ledger.start_step) as start_step:
+        D(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        assert start_step.call_count == 1
+        opt.zero_grad()
+        assert start_step.call_count == 2
+        with pytest.warns(UserWarning, match="found no gradient"):
+            assert opt.step().reason == "no_gradients"
+        assert start_step.call_count == 3
+        D(torch.randn(3, 8)).sum().backward()
+        D.zero_grad()  # every param's gradient cleared: the next backward starts the step over
+        D(torch.randn(3, 8)).sum().backward()
+        assert start_step.call_count == 4
 
 
 # ---- A2C: one compiled forward, two backwards -----------------------------------------------------

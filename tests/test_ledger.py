@@ -6,8 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from fxzero.optim.gradients.ledger import LateGradient, Ledger
+from fxzero.optim.layout.param_table import ParamRow, ParamTable
 
 
 class FakeEngine:
@@ -29,7 +31,13 @@ class Node:  # autograd nodes are held weakly: a plain object stands in
 
 def ledger(bucket_of_slot=(0, 0, 1, 2), buckets=3) -> tuple[Ledger, FakeEngine]:
     engine = FakeEngine()
-    return Ledger(bucket_of_slot, buckets, label=lambda s: f"p{s}", engine=engine), engine
+    rows = [ParamRow(s, torch.nn.Parameter(torch.zeros(1)), f"p{s}", 0, b) for s, b in enumerate(bucket_of_slot)]
+    return Ledger(ParamTable(rows), buckets, engine=engine), engine
+
+
+def compiled(book: Ledger, bucket: int, *slots: int) -> Any:
+    """A compiled backward hands over the gradients of ``slots``, all in ``bucket``."""
+    return book.compiled_grads(bucket, len(slots), torch.tensor(slots))
 
 
 def test_eager_buckets_launch_in_order_once_every_lower_bucket_launched() -> None:
@@ -73,7 +81,7 @@ def test_compiled_forwards_add_what_their_backward_delivers() -> None:
     book.forward_ran([(0, 2)], node)
     assert book.pending(0) == 2
     engine.task, engine.runs = 7, {node}
-    assert book.compiled_grads(0, 2, [0, 1]) == range(0, 1)
+    assert compiled(book, 0, 0, 1) == range(0, 1)
 
 
 def test_a_forward_whose_backward_does_not_run_is_taken_out() -> None:
@@ -85,17 +93,17 @@ def test_a_forward_whose_backward_does_not_run_is_taken_out() -> None:
     book.forward_ran([(0, 2)], train)
     assert book.pending(0) == 4
     engine.task, engine.runs = 1, {train}
-    assert book.compiled_grads(0, 2, [0, 1]) == range(0, 1)  # the validation forward's 2 were taken out
+    assert compiled(book, 0, 0, 1) == range(0, 1)  # the validation forward's 2 were taken out
     book.start_step()
     assert book.pending(0) == 0  # it stays out while its graph lives and does not run
 
 
 def test_no_sync_counts_nothing_and_launches_nothing() -> None:
     book, _ = ledger()
-    book.accumulating = True
-    assert all(book.eager_grad(s) is None for s in range(4))
-    assert book.launched == (False, False, False) and book.pending(0) == 2
-    book.accumulating = False
+    with book.no_sync():
+        assert book.accumulating
+        assert all(book.eager_grad(s) is None for s in range(4))
+    assert book.launched == (False, False, False) and book.pending(0) == 2 and not book.accumulating
     assert book.eager_grad(0) == range(0) and book.eager_grad(1) == range(0, 1)
 
 
@@ -126,13 +134,13 @@ def test_a_second_backward_through_a_retained_graph_counts_its_gradients_again()
     node = Node()
     book.forward_ran([(0, 2), (1, 1)], node)
     engine.runs = {node}
-    engine.task, book.accumulating = 1, True
-    assert book.compiled_grads(1, 1, [2]) is None and book.compiled_grads(0, 2, [0, 1]) is None
-    book.accumulating = False
+    engine.task = 1
+    with book.no_sync():
+        assert compiled(book, 1, 2) is None and compiled(book, 0, 0, 1) is None
     engine.task = 2
-    assert book.compiled_grads(1, 1, [2]) == range(0)  # bucket 0 still waits for its two
+    assert compiled(book, 1, 2) == range(0)  # bucket 0 still waits for its two
     assert book.pending(0) == 2
-    assert book.compiled_grads(0, 2, [0, 1]) == range(0, 2)
+    assert compiled(book, 0, 0, 1) == range(0, 2)
     book.start_step()
     assert book.pending(0) == 0 and book.pending(1) == 0  # consumed: not expected again
 
@@ -146,8 +154,54 @@ def test_a_forward_run_by_a_backward_is_not_taken_out_by_a_reentrant_one_inside_
     node = Node()
     book.forward_ran([(0, 2)], node)
     engine.task, engine.runs = 1, {node}
-    assert book.compiled_grads(0, 1, [0]) == range(0)
+    assert compiled(book, 0, 0) == range(0)
     engine.task, engine.runs = 2, set()  # the inner backward: an eager gradient of bucket 2
     assert book.eager_grad(3) == range(0)
     engine.task, engine.runs = 1, {node}  # back in the outer one
-    assert book.compiled_grads(0, 1, [1]) == range(0, 1)
+    assert compiled(book, 0, 1) == range(0, 1)
+
+
+def test_compiled_gradients_mark_their_params_present_by_span_or_by_slots() -> None:
+    book, _ = ledger()
+    book.compiled_graph([0, 1, 2, 3])
+    book.compiled_grads(0, 2, torch.tensor([0, 1]), slice(0, 2))  # consecutive: one memcpy
+    assert bytes(book.presence) == b"\x01\x01\x00\x00"
+    compiled(book, 2, 3)  # by slot: one index_fill_
+    assert bytes(book.presence) == b"\x01\x01\x00\x01" and book.presence_tensor.tolist() == [1, 1, 0, 1]
+
+
+def test_its_state_is_read_only_outside_its_methods() -> None:
+    """Callers report events; only the ledger writes its flags (tests/test_ledger_writes.py checks the source)."""
+    book, _ = ledger()
+    for name in ("presence", "presence_tensor", "compiled", "written", "learning", "accumulating", "num_buckets", "launched"):
+        with pytest.raises(AttributeError):
+            setattr(book, name, None)
+    with pytest.raises(TypeError):
+        book.presence[0] = 1
+    with pytest.raises(TypeError):
+        book.compiled[0] = 1
+
+
+def test_a_hand_assigned_gradient_marks_the_buffers_written() -> None:
+    book, _ = ledger()
+    book.grad_assigned()
+    assert book.written
+    book.zeroed()
+    assert not book.written
+
+
+def test_no_sync_nests_and_restores_the_enclosing_state() -> None:
+    book, _ = ledger()
+    with book.no_sync():
+        with book.no_sync():
+            pass
+        assert book.accumulating
+    assert not book.accumulating
+    with pytest.raises(KeyError), book.no_sync():
+        raise KeyError
+    assert not book.accumulating
+
+
+def test_buckets_are_the_param_tables() -> None:
+    book, _ = ledger(bucket_of_slot=(1, 0, 0, 2))
+    assert [book.bucket(s) for s in range(4)] == [1, 0, 0, 2]

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -157,7 +157,6 @@ class GradSync:
         self._reset_if_cleared = reset_if_cleared
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
-        self._ones = memoryview(b"\x01" * len(self.params))  # sliced without a copy
 
     # ---- eager path -------------------------------------------------------------
     def install_hooks(self) -> None:
@@ -177,7 +176,7 @@ class GradSync:
                     param.requires_grad_(False)
 
     def _make_hook(self, slot: int) -> Callable[[torch.nn.Parameter], None]:
-        bucket = self.ledger.bucket_of_slot[slot]
+        bucket = self.ledger.bucket(slot)
         local = MeshParams.local_grad if slot in self._local_grads else None
 
         def hook(param: torch.nn.Parameter) -> None:
@@ -210,11 +209,7 @@ class GradSync:
         if self._before_grad_write is not None:
             self._before_grad_write(bucket)
         foreach_add_(main_grads, grads)
-        if span is not None:
-            self.ledger.presence[span] = self._ones[: span.stop - span.start]
-        else:
-            self.ledger.presence_tensor.index_fill_(0, slots, 1)
-        self._launch(self.ledger.compiled_grads(bucket, len(main_grads), slots))
+        self._launch(self.ledger.compiled_grads(bucket, len(main_grads), slots, span))
 
     def _late(self, bucket: int, slot: int) -> None:
         """A gradient for a launched bucket: the step starts over if the last backward's
@@ -241,11 +236,6 @@ class GradSync:
         if self._after_backward is not None:
             self._after_backward()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """Accumulate gradients into ``main_grad`` without launching any reduce-scatter."""
-        previous, self.ledger.accumulating = self.ledger.accumulating, True
-        try:
-            yield
-        finally:
-            self.ledger.accumulating = previous
+        return self.ledger.no_sync()

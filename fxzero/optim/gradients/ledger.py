@@ -12,7 +12,7 @@ decides launches lives here:
   rank issues its collectives in bucket order whatever order data-dependent control flow
   produced the gradients in. The end of each backward launches the rest
   (:meth:`end_of_backward`), so a param that got no gradient never blocks.
-* Under ``no_sync`` (:attr:`accumulating`) nothing launches.
+* Under :meth:`Ledger.no_sync` (:attr:`~Ledger.accumulating`) nothing launches.
 * A param read both by a compiled graph and eagerly ("mixed", a tied embedding across a
   graph break) is discovered when its eager gradient first arrives; its eager
   contribution is expected from then on. The first step after a new graph compiled is a
@@ -37,14 +37,16 @@ ledger is tested with a fake one, without autograd or a process group
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any, Callable, Iterable, Optional, Protocol, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
 from ..._torch_compat import current_graph_task_id, will_engine_execute_node
+from ..layout.param_table import ParamTable
 
 __all__ = ["AUTOGRAD", "Engine", "LateGradient", "Ledger"]
 
@@ -90,58 +92,100 @@ class _Forward:
 
 
 class Ledger:
-    """Readiness of a fixed list of buckets; slot ``s`` lives in bucket ``bucket_of_slot[s]``."""
+    """Readiness of a fixed list of buckets; slot ``s`` lives in the bucket the param table
+    gives it. The only writer of its own state: callers report events through its methods
+    and read its flags through read-only properties (``tests/test_ledger_writes.py`` checks)."""
 
     def __init__(
         self,
-        bucket_of_slot: Sequence[int],
+        table: ParamTable,
         num_buckets: int,
         *,
-        label: Callable[[int], str] = str,
         engine: Engine = AUTOGRAD,
         requires_grad: Optional[Callable[[], bytes]] = None,
     ) -> None:
-        self.bucket_of_slot = tuple(bucket_of_slot)
-        self.num_buckets = num_buckets
-        self._label, self._engine = label, engine
-        n = len(self.bucket_of_slot)
-        self.compiled = bytearray(n)
-        """``compiled[slot]`` is 1 once a compiled graph's backward hands that gradient over directly."""
+        self._table = table
+        self._bucket_of = table.bucket_of_slot  # the table's own tuple, read per gradient (no copy)
+        self._num_buckets = num_buckets
+        self._engine = engine
+        n = len(table)
+        self._compiled = bytearray(n)  # 1 once a compiled graph's backward hands that gradient over directly
         self._mixed = bytearray(n)  # ... and it also gets eager gradients
         self._baseline = [0] * num_buckets  # eager contributions expected
-        for bucket in self.bucket_of_slot:
+        for bucket in self._bucket_of:
             self._baseline[bucket] += 1
         self._pending = list(self._baseline)
         self._next = 0  # buckets below have launched
         self._zeros = bytes(n)
         self._seen = bytearray(n)
-        self.presence = bytearray(n)
-        """``presence[slot]`` is 1 once that param got any gradient since the step began."""
-        self.presence_tensor = torch.frombuffer(self.presence, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
-        self.written = False
-        """A gradient reached the buffers since they were last zeroed (:meth:`zeroed`)."""
-        self.learning = False
-        self.accumulating = False
+        self._presence = bytearray(n)
+        self._presence_tensor = torch.frombuffer(self._presence, dtype=torch.uint8) if n else torch.zeros(0, dtype=torch.uint8)
+        # read-only windows on the flags, made once: reading them allocates nothing
+        self._presence_view = memoryview(self._presence).toreadonly()
+        self._compiled_view = memoryview(self._compiled).toreadonly()
+        self._written = False
+        self._learning = False
+        self._accumulating = False
         self._forwards: list[_Forward] = []
         self._task = -1
         self._requires_grad = requires_grad
         """Each param's ``requires_grad`` as bytes, asked at the start of every backward (see :meth:`_follow_freezing`)."""
         self._ones = b"\x01" * n
+        self._ones_view = memoryview(self._ones)  # sliced without a copy
         self._requires_seen = self._ones
         self._frozen = bytearray(n)
         """``_frozen[slot]`` is 1 while the param is left out of the eager counts, frozen."""
+
+    # ---- read-only state ----------------------------------------------------------
+    @property
+    def num_buckets(self) -> int:
+        return self._num_buckets
+
+    @property
+    def presence(self) -> memoryview:
+        """``presence[slot]`` is 1 once that param got any gradient since the step began (read-only)."""
+        return self._presence_view
+
+    @property
+    def presence_tensor(self) -> torch.Tensor:
+        """:attr:`presence` as a uint8 tensor on the same memory, for tensor reads (never write it)."""
+        return self._presence_tensor
+
+    @property
+    def compiled(self) -> memoryview:
+        """``compiled[slot]`` is 1 once a compiled graph's backward hands that gradient over directly (read-only)."""
+        return self._compiled_view
+
+    @property
+    def written(self) -> bool:
+        """A gradient reached the buffers since they were last zeroed (:meth:`zeroed`)."""
+        return self._written
+
+    @property
+    def learning(self) -> bool:
+        """A new graph compiled: this step launches only at the end of backward."""
+        return self._learning
+
+    @property
+    def accumulating(self) -> bool:
+        """Inside :meth:`no_sync`: gradients are counted as present, nothing launches."""
+        return self._accumulating
+
+    def bucket(self, slot: int) -> int:
+        """The bucket holding param ``slot`` (the param table's answer)."""
+        return self._bucket_of[slot]
 
     # ---- in: what the producers report ------------------------------------------
     def compiled_graph(self, slots: Iterable[int]) -> None:
         """A newly compiled graph reads ``slots``: their gradients come from its backward,
         counted per forward run. The next step is a learning step."""
         for slot in slots:
-            if not self.compiled[slot]:
-                self.compiled[slot] = 1
+            if not self._compiled[slot]:
+                self._compiled[slot] = 1
                 if not self._frozen[slot]:  # a frozen one is out of the eager counts already
-                    self._baseline[self.bucket_of_slot[slot]] -= 1
-                    self._pending[self.bucket_of_slot[slot]] -= 1
-        self.learning = True
+                    self._baseline[self._bucket_of[slot]] -= 1
+                    self._pending[self._bucket_of[slot]] -= 1
+        self._learning = True
 
     def forward_ran(self, counts: Sequence[tuple[int, int]], node: Any) -> None:
         """A compiled forward ran; its backward (from autograd ``node``) delivers ``count``
@@ -155,13 +199,13 @@ class Ledger:
         contribution (accumulating, a repeat, or a mixed param discovered now), else the
         buckets that may launch now."""
         self._arrived()
-        self.presence[slot] = 1
-        if self.accumulating:
+        self._presence[slot] = 1
+        if self._accumulating:
             return None
-        bucket = self.bucket_of_slot[slot]
+        bucket = self._bucket_of[slot]
         self.check_open(bucket, slot)
-        if self.compiled[slot] and not self._mixed[slot]:
-            log.info("param %s is read by a compiled graph and eagerly; expecting both from now on", self._label(slot))
+        if self._compiled[slot] and not self._mixed[slot]:
+            log.info("param %s is read by a compiled graph and eagerly; expecting both from now on", self._table.label(slot))
             self._mixed[slot] = 1
             self._baseline[bucket] += 1
             return None  # not counted this step: the count did not expect it
@@ -170,23 +214,28 @@ class Ledger:
         self._seen[slot] = 1
         return self._contribute(bucket, 1)
 
-    def compiled_grads(self, bucket: int, count: int, slots: Sequence[int]) -> Optional[range]:
-        """``count`` gradients of ``bucket`` arrived from a compiled backward (the caller
-        marks their presence: ``slots``); ``None`` when accumulating, else the buckets that may launch."""
+    def compiled_grads(self, bucket: int, count: int, slots: torch.Tensor, span: Optional[slice] = None) -> Optional[range]:
+        """``count`` gradients of ``bucket`` arrived from a compiled backward, of params
+        ``slots`` (``span`` when they are consecutive: marked present by one memcpy, else by
+        one ``index_fill_``); ``None`` when accumulating, else the buckets that may launch."""
+        if span is not None:
+            self._presence[span] = self._ones_view[: span.stop - span.start]
+        else:
+            self._presence_tensor.index_fill_(0, slots, 1)
         self._arrived()
         if bucket < self._next:
             self.check_open(bucket, int(slots[0]))
         self._pending[bucket] -= count
-        return None if self.accumulating else self._contribute(bucket, 0)
+        return None if self._accumulating else self._contribute(bucket, 0)
 
     def end_of_backward(self) -> range:
         """The backward finished: the counts were learned; every bucket not launched may launch."""
-        self.learning = False  # not at start_step: zero_grad may sit between forward and backward
+        self._learning = False  # not at start_step: zero_grad may sit between forward and backward
         return self.rest()
 
     def rest(self) -> range:
         """Every bucket not launched yet, in order (they count as launched from now on)."""
-        launch, self._next = range(self._next, self.num_buckets), self.num_buckets
+        launch, self._next = range(self._next, self._num_buckets), self._num_buckets
         return launch
 
     def start_step(self) -> None:
@@ -201,15 +250,30 @@ class Ledger:
                 self._adjust(forward.counts, 1)
         self._next = 0
         self._seen[:] = self._zeros
-        self.presence[:] = self._zeros
+        self._presence[:] = self._zeros
 
     def all_present(self) -> None:
         """Every param holds a (zero) gradient this step: ``zero_grad(set_to_none=False)``."""
-        self.presence[:] = self._ones
+        self._presence[:] = self._ones
 
     def zeroed(self) -> None:
         """The grad buffers were zeroed."""
-        self.written = False
+        self._written = False
+
+    def grad_assigned(self) -> None:
+        """A gradient assigned by hand (``p.grad = t``) was written into the buffers: they
+        need zeroing after the step, as after a backward."""
+        self._written = True
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Gradients are counted as present but none launches (accumulation); nests, and
+        restores the enclosing state on exit."""
+        previous, self._accumulating = self._accumulating, True
+        try:
+            yield
+        finally:
+            self._accumulating = previous
 
     # ---- out ----------------------------------------------------------------------
     def has_launched(self, bucket: int) -> bool:
@@ -219,7 +283,7 @@ class Ledger:
 
     @property
     def launched(self) -> tuple[bool, ...]:
-        return tuple(index < self._next for index in range(self.num_buckets))
+        return tuple(index < self._next for index in range(self._num_buckets))
 
     def pending(self, bucket: int) -> int:
         """Contributions ``bucket`` still waits for this step."""
@@ -228,10 +292,10 @@ class Ledger:
     # ---- internals ------------------------------------------------------------------
     def _contribute(self, bucket: int, count: int) -> range:
         self._pending[bucket] -= count
-        if self._pending[bucket] > 0 or self.learning:
+        if self._pending[bucket] > 0 or self._learning:
             return NOTHING
         start = self._next
-        while self._next < self.num_buckets and self._pending[self._next] <= 0:
+        while self._next < self._num_buckets and self._pending[self._next] <= 0:
             self._next += 1
         return range(start, self._next)
 
@@ -239,7 +303,7 @@ class Ledger:
         """Raise :class:`LateGradient` naming param ``slot`` if ``bucket`` launched this step."""
         if bucket < self._next:
             raise LateGradient(
-                f"fxzero: param {self._label(slot)} received a gradient after bucket {bucket} was already "
+                f"fxzero: param {self._table.label(slot)} received a gradient after bucket {bucket} was already "
                 "reduce-scattered in this step. Run every backward but the last inside `optimizer.no_sync()`, "
                 "or call `optimizer.step()`/`zero_grad()` (or `model.zero_grad()` over every param of this "
                 "optimizer) between backwards."
@@ -249,7 +313,7 @@ class Ledger:
         """Every gradient: at the first of a backward, count exactly the forwards this
         backward executes (again, for one an earlier backward ran with ``retain_graph``)
         and take the others out."""
-        self.written = True
+        self._written = True
         task = self._engine.task_id()
         if task == self._task or task == -1:
             return
@@ -286,8 +350,8 @@ class Ledger:
             if frozen == self._frozen[slot]:
                 continue
             self._frozen[slot] = frozen
-            if not self.compiled[slot] or self._mixed[slot]:  # counted as an eager contribution
-                bucket, delta = self.bucket_of_slot[slot], -1 if frozen else 1
+            if not self._compiled[slot] or self._mixed[slot]:  # counted as an eager contribution
+                bucket, delta = self._bucket_of[slot], -1 if frozen else 1
                 self._baseline[bucket] += delta
                 self._pending[bucket] += delta
 

@@ -255,7 +255,7 @@ class ReducedGrads:
                 frag.grad.view(-1).copy_(flat[frag.where.param_offset : frag.where.param_offset + frag.where.numel])
             self._scale[slot] = 1.0
             self._hand[slot] = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
-        self.ledger.written = True  # the grad buffers need zeroing after the step
+        self.ledger.grad_assigned()  # the grad buffers need zeroing after the step
         if self._squares:  # measured already (a clip or GradScaler before the assignment)
             self._count_hand()
 

@@ -48,7 +48,7 @@ class ParamWatch:
     """Per-step checks that the params are still the ones the optimizer updates."""
 
     def __init__(
-        self, table: ParamTable, shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: bytearray, *, adopt_copies: bool = True
+        self, table: ParamTable, shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: Sequence[int], *, adopt_copies: bool = True
     ) -> None:
         self._adopt = adopt_copies
         """Whether a param's copy holding other values is taken in (not with ``overlap_param_gather``: see :func:`_rebind_copy`)."""
