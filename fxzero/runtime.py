@@ -195,10 +195,13 @@ def build_runtime(
                          local=local, mesh_params=mesh_params, timeout=config.state_dict_timeout, finish_gathers=param_sync.finish,
                          publish_and_gather=publish.all)  # fmt: skip
     runtime = Runtime(
-        whole_params, mesh_params, buckets, buffer_sync, gather, param_sync, ledger, reductions, tuple(shards), tuple(fragments), local,
-        compat.unhooked_step(local), update, publish, _by_bucket(stepwise, optimizer_class, param_sync, publish), reduced, param_watch,
-        grad_views, grad_sync, GraphBinding(table, ledger, grad_sync, param_sync), state, reuse,
-    )  # fmt: skip
+        whole_params=whole_params, mesh_params=mesh_params, buckets=buckets, buffer_sync=buffer_sync, gather=gather,
+        param_sync=param_sync, ledger=ledger, reductions=reductions, shards=tuple(shards), fragments=tuple(fragments), local=local,
+        local_step=compat.unhooked_step(local), update=update, publish=publish,
+        by_bucket=_by_bucket(stepwise, optimizer_class, param_sync, publish), reduced=reduced, param_watch=param_watch,
+        grad_views=grad_views, grad_sync=grad_sync, binding=GraphBinding(table, ledger, grad_sync, param_sync), sharded_state=state,
+        reuse_grad_buffer=reuse,
+    )
     _attach(owner, runtime, table, module)
     return runtime
 
