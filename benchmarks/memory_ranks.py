@@ -116,7 +116,7 @@ def measure(config: str, model: Model, steps: int, device_type: str = "cpu", buc
         "state_bytes": state_bytes(),
         "step_ms": 1e3 * statistics.median(times[1:]) if len(times) > 1 else float("nan"),
         "params": sum(p.numel() for p in net.parameters()),
-        "buckets": len(opt.buckets) if hasattr(opt, "buckets") else None,
+        "buckets": len(opt.runtime.buckets) if hasattr(opt, "buckets") else None,
     }
 
 

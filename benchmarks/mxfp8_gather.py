@@ -92,7 +92,7 @@ def _train(flags: dict, steps: int, compile: bool) -> dict:
         "gathers": per_step,
         "runtime_bytes": opt.runtime_bytes,
         "state_bytes": opt.state_bytes,
-        "buckets": len(opt.buckets),
+        "buckets": len(opt.runtime.buckets),
     }
 
 

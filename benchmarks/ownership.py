@@ -111,7 +111,7 @@ def _fxzero_facts(opts: list[DistributedOptimizer]) -> dict:
     moved = sum(b.plan.numel * (b.grad_data.element_size() + b.param_data.element_size()) for b in buffers) * (dp - 1) / dp
     balances = [o.balance.describe() for o in opts if o.balance is not None]
     return {"state": sum(o.state_bytes for o in opts), "buffers": sum(o.runtime_bytes for o in opts), "padding": padding,
-            "moved": moved, "buckets": len([b for o in opts for b in o.buckets]), "balance": "; ".join(balances)}  # fmt: skip
+            "moved": moved, "buckets": len([b for o in opts for b in o.runtime.buckets]), "balance": "; ".join(balances)}  # fmt: skip
 
 
 def _zero_facts(opt) -> dict:

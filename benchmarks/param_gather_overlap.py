@@ -175,9 +175,9 @@ class _Job:
 
     def result(self) -> dict:
         names = {id(p): n for n, p in self.model.named_parameters()}
-        out = dict(self.out, order=list(self.opt.param_sync.order))
+        out = dict(self.out, order=list(self.opt.runtime.param_sync.order))
         out["iteration"] = [sum(t for t, _ in self.out["iteration"]) / sum(n for _, n in self.out["iteration"])]
-        out["buckets"] = {b.index: (b.param_data.numel(), _span([names[id(p)] for p in b.params])) for b in self.opt.buckets}
+        out["buckets"] = {b.index: (b.param_data.numel(), _span([names[id(p)] for p in b.params])) for b in self.opt.runtime.buckets}
         out["params"] = [p.detach().clone() for p in self.model.parameters()]
         return out
 

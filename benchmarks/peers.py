@@ -236,7 +236,7 @@ def train_alone(config: str, steps: int, warmup: int, bucket_size: int) -> dict:
     out["state_bytes"] = state_bytes()
     if config == "fxzero":
         names = {id(p): n for n, p in model.named_parameters()}
-        out["buckets"] = [(b.index, len(b.params), b.grad_data.numel(), _span([names[id(p)] for p in b.params])) for b in opt.buckets]
+        out["buckets"] = [(b.index, len(b.params), b.grad_data.numel(), _span([names[id(p)] for p in b.params])) for b in opt.runtime.buckets]
     out["rss_mib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     return out
 
@@ -259,7 +259,7 @@ def data_and_batch(world: int) -> tuple[torch.Tensor, types.SimpleNamespace]:
 def _check_compiled(runners: dict) -> None:
     for config, (_, opt, _) in runners.items():
         if config.startswith("fxzero"):
-            compiled, n = sum(opt.ledger.compiled), len(opt.params)
+            compiled, n = sum(opt.runtime.ledger.compiled), len(opt.param_table.params)
             if compiled != n:
                 raise RuntimeError(f"{config}: only {compiled} of {n} params are in its compiled graphs when stepping in turn")
 

@@ -141,7 +141,7 @@ def _fxzero_state(bucket_size) -> dict:
     plans = [buffer.plan for buffer in opt.buffers]
     return {
         "state_bytes": opt.state_bytes,
-        "buckets": len(opt.buckets),
+        "buckets": len(opt.runtime.buckets),
         "buffer_numel": sum(plan.numel for plan in plans),
         "param_numel": sum(end - start for plan in plans for start, end, _ in plan.param_ranges),
     }

@@ -52,7 +52,7 @@ def _fxzero(model: torch.nn.Module) -> tuple[Any, Any, dict[str, int]]:
     # full-size models (100M+ params) have dozens; bucket boundaries are part of what is tested
     config = fxzero.Config(bucket_size=max(numel // 4, 1))
     opt = fxzero.DistributedOptimizer(trainable(model), torch.optim.SGD, config=config, module=model, **SGD)
-    return torch.compile(model, backend="fxzero"), opt, {"buckets": len(opt.buckets)}
+    return torch.compile(model, backend="fxzero"), opt, {"buckets": len(opt.runtime.buckets)}
 
 
 def _reference(model: torch.nn.Module) -> tuple[Any, Any, dict[str, int]]:

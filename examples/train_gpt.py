@@ -456,7 +456,7 @@ def unsharded_state_bytes(opts):
     """What torch.optim would hold on every rank: AdamW two fp32 moments, Muon one momentum buffer
     (with --tp, of this rank's TP shards)."""
     per_elem = {torch.optim.AdamW: 8, torch.optim.Muon: 4}
-    return sum(per_elem[opt.optimizer_class] * local_numel(p) for opt in opts.values() for p in opt.params)
+    return sum(per_elem[opt.optimizer_class] * local_numel(p) for opt in opts.values() for p in opt.param_table.params)
 
 
 def summary(job, losses, val_loss, skipped, first_ms, t_start):
@@ -466,7 +466,7 @@ def summary(job, losses, val_loss, skipped, first_ms, t_start):
     peak = reduce(memory, dist.ReduceOp.MAX, device)
     state = reduce(sum(opt.state_bytes for opt in opts), dist.ReduceOp.MAX, device)
     buffers = [b for opt in opts for b in opt.buffers]
-    n_buckets, padded = sum(len(opt.buckets) for opt in opts), sum(b.plan.numel for b in buffers)
+    n_buckets, padded = sum(len(opt.runtime.buckets) for opt in opts), sum(b.plan.numel for b in buffers)
     unpadded = sum(b.plan.numel_unpadded for b in buffers)
     counts = collections.Counter()  # c10d op names: gloo reduces by all-to-all chunks, gathers by broadcasts
     for opt in opts:
@@ -542,15 +542,15 @@ def main():
     check_args(parser, args, world)
     job = build_job(args, rank, world, device)
     n_params = sum(p.numel() for p in job.model.parameters())
-    n_buckets = sum(len(opt.buckets) for opt in job.opts.values())
+    n_buckets = sum(len(opt.runtime.buckets) for opt in job.opts.values())
     mesh = "" if job.mesh is None else f" (dp {job.dp} x tp {args.tp})"
     job.log(f"fxzero GPT: {n_params:,} params, {n_buckets} buckets, world {world}{mesh}, {device.type}, "
             f"{len(job.train_data):,} train / {len(job.val_data):,} val bytes")
     if len(job.opts) > 1:
-        job.log(" + ".join(f"{opt.optimizer_class.__name__} over {sum(p.numel() for p in opt.params):,} params"
+        job.log(" + ".join(f"{opt.optimizer_class.__name__} over {sum(p.numel() for p in opt.param_table.params):,} params"
                            for opt in job.opts.values()))
         for opt in job.opts.values():
-            if opt.whole_params:
+            if opt.runtime.whole_params:
                 job.log(f"{opt.optimizer_class.__name__}: {opt.balance.describe()}")
     losses, skipped, first_ms = train(job)
     val_loss = validate(job)

@@ -291,7 +291,7 @@ class GraphDumper:
 
     def _bucket_summary(self, owner: int, index: int) -> dict[str, Any]:
         optimizer = self.owners[owner]
-        bucket = next(b for b in optimizer.buckets if b.index == index)
+        bucket = next(b for b in optimizer.runtime.buckets if b.index == index)
         padded = bucket.param_data.numel()
         return {
             "optimizer": owner,

@@ -1,7 +1,7 @@
 """AOTAutograd's hooks for one Dynamo graph: fxzero's passes, then the inner compiler.
 
 Graph inputs that are params managed by a :class:`fxzero.DistributedOptimizer` are found
-by identity (``optimizer._bind(example_inputs)``). The joint graph gets the bucket launches
+by identity (``optimizer.runtime.binding.describe(example_inputs)``). The joint graph gets the bucket launches
 (:mod:`fxzero.passes.bucket_reduce_scatter`), the forward the all-gather waits
 (:mod:`fxzero.passes.param_gather_wait`) of the optimizers that overlap their gathers with
 the forward; then Inductor (or nothing, for ``"eager"``) compiles them. Where a graph has
@@ -176,14 +176,14 @@ class GraphCompiler:
 
 def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam], tuple[bool, ...]]:
     """The optimizers owning params among ``example_inputs`` (first appearance first),
-    those params, as each optimizer's ``_bind`` describes them, and whether a forward must
+    those params, as each optimizer's ``runtime.binding`` describes them, and whether a forward must
     wait for each optimizer's gathers."""
     owners: list[Any] = []
     for value in example_inputs:
         owner = owner_of(value)
         if owner is not None and all(owner is not o for o in owners):
             owners.append(owner)
-    bindings = [owner._bind(example_inputs) for owner in owners]
+    bindings = [owner.runtime.binding.describe(example_inputs) for owner in owners]
     managed = [
         ManagedParam(position, index, bucket, example_inputs[position].numel())
         for index, binding in enumerate(bindings)

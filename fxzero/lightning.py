@@ -55,7 +55,7 @@ class FxzeroStrategy(DDPStrategy):
     def _check_every_param_managed(self) -> None:
         """Without DDP, a trainable param no DistributedOptimizer manages gets no gradient
         averaging: each rank would step it on its own data. Refused, naming it."""
-        managed = {id(p) for opt in self._fxzero_optimizers() for p in opt.params}
+        managed = {id(p) for opt in self._fxzero_optimizers() for p in opt.param_table.params}
         module = self.lightning_module
         assert module is not None
         missing = [name for name, p in module.named_parameters() if p.requires_grad and id(p) not in managed]

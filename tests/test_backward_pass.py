@@ -59,16 +59,16 @@ def _handoffs(inner: str) -> list[tuple[int, int]]:
     cmodel(x).sum().backward()  # compiles (and learns the counts)
     opt.step()
     calls, handed = [], []
-    original = opt.binding.grads_ready
+    original = opt.runtime.binding.grads_ready
 
     def recording(grads, params):  # type: ignore[no-untyped-def]
         calls.append((sum(g.numel() for g in grads), sum(r() is not None for r in handed)))
         handed.extend(weakref.ref(g) for g in grads)
         original(grads, params)
 
-    with mock.patch.object(opt.binding, "grads_ready", recording):
+    with mock.patch.object(opt.runtime.binding, "grads_ready", recording):
         cmodel(x).sum().backward()
-    assert len(opt.buckets) == 1 and opt.ledger.launched == (True,)
+    assert len(opt.runtime.buckets) == 1 and opt.runtime.ledger.launched == (True,)
     return calls
 
 
@@ -114,7 +114,7 @@ class TestRewrittenBackward(TestCase):
         # bucket_size 32: bucket 0 = last Linear (bias 3 at 0, weight 18 at 32: closes at 50 >= 32),
         # bucket 1 = first Linear.
         opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=fxzero.Config(bucket_size=32))
-        self.assertEqual([len(b.params) for b in opt.buckets], [2, 2])
+        self.assertEqual([len(b.params) for b in opt.runtime.buckets], [2, 2])
         cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
         x = torch.randn(5, 4)
         (gm,) = _capture_backward(cmodel, x)
@@ -152,7 +152,7 @@ def forward(self, primals_1, primals_2, primals_3, primals_4, primals_5, relu, d
                 traced = [g.meta["stack_trace"] for g in node.args[0] if "stack_trace" in g.meta]
                 self.assertEqual(node.meta.get("stack_trace"), traced[0] if traced else None)
                 self.assertIn("fwd_nn_module_stack", node.meta)
-        self.assertEqual(opt.ledger.launched, (True, True))
+        self.assertEqual(opt.runtime.ledger.launched, (True, True))
 
 
 # ---- the backend around it --------------------------------------------------------
@@ -224,7 +224,7 @@ def test_second_compile_and_dynamic_batch_reuse_buffers_without_double_counting(
     torch._dynamo.reset()
     model, reference = _model(), _model()
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, config=fxzero.Config(bucket_size=64))
-    pointers = [b.grad_data.data_ptr() for b in opt.buckets]
+    pointers = [b.grad_data.data_ptr() for b in opt.runtime.buckets]
     first = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     second = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     sizes = [4, 7, 5, 9, 4, 6]
@@ -233,5 +233,5 @@ def test_second_compile_and_dynamic_batch_reuse_buffers_without_double_counting(
     torch.testing.assert_close(losses, expected, atol=1e-6, rtol=0)
     for p, q in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p, q, atol=1e-6, rtol=0)
-    assert [b.grad_data.data_ptr() for b in opt.buckets] == pointers
+    assert [b.grad_data.data_ptr() for b in opt.runtime.buckets] == pointers
     copy.deepcopy(opt.state_dict())  # state stays usable after recompiles

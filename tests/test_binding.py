@@ -136,7 +136,7 @@ def test_a_graph_compiled_without_waits_lands_the_gathers_of_a_successor_that_ov
         runs[overlap] = []
         for step in range(1, 4):
             runs[overlap] += train_steps("gpt", cmodel, opt, range(step, step + 1), 4)
-            assert any(opt.param_sync.pending) == overlap  # gathers left for the forward to land
+            assert any(opt.runtime.param_sync.pending) == overlap  # gathers left for the forward to land
     assert runs[True] == runs[False]
 
 
@@ -182,13 +182,13 @@ def test_one_launch_whose_params_span_buckets_reaches_each_bucket() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 8))
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=LR, config=fxzero.Config(bucket_size=64))
     params = list(model.parameters())
-    assert len(opt.buckets) == 2 and len({opt.binding.describe(params).buckets}) == 1
+    assert len(opt.runtime.buckets) == 2 and len({opt.runtime.binding.describe(params).buckets}) == 1
     grads = [torch.full_like(p, float(i + 1)) for i, p in enumerate(params)]
     torch.ops.fxzero.grads_ready(grads, params)
     for p, g in zip(params, grads):
         assert torch.equal(p.main_grad, g)
-    assert sorted(set(opt.binding.describe(params).buckets)) == [0, 1]
-    assert bytes(opt.ledger.presence) == b"\x01" * 4
+    assert sorted(set(opt.runtime.binding.describe(params).buckets)) == [0, 1]
+    assert bytes(opt.runtime.ledger.presence) == b"\x01" * 4
 
 
 def test_a_compiled_model_whose_optimizer_is_gone_says_what_to_call() -> None:
@@ -280,6 +280,6 @@ def test_a_wait_with_no_stale_bucket_looks_nothing_up() -> None:
             m(x).square().mean().backward()
             o.step()
             o.zero_grad()
-    assert opt.param_sync.stale == 0 and opt.binding._wait_buckets == {}
+    assert opt.runtime.param_sync.stale == 0 and opt.runtime.binding._wait_buckets == {}
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)

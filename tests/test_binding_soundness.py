@@ -39,8 +39,8 @@ def _pick(step: int, rank: int) -> int:
 def test_calls_sharing_first_and_last_param_land_in_their_own_slots() -> None:
     a, x, y, b = (torch.nn.Parameter(torch.zeros(4)) for _ in range(4))
     opt = fxzero.DistributedOptimizer([a, x, y, b], torch.optim.SGD, lr=1.0)
-    opt.binding.grads_ready([torch.ones(4), torch.full((4,), 2.0), torch.ones(4)], [a, x, b])
-    opt.binding.grads_ready([torch.ones(4), torch.full((4,), 3.0), torch.ones(4)], [a, y, b])
+    opt.runtime.binding.grads_ready([torch.ones(4), torch.full((4,), 2.0), torch.ones(4)], [a, x, b])
+    opt.runtime.binding.grads_ready([torch.ones(4), torch.full((4,), 3.0), torch.ones(4)], [a, y, b])
     assert x.main_grad.tolist() == [2.0] * 4 and y.main_grad.tolist() == [3.0] * 4
     assert a.main_grad.tolist() == b.main_grad.tolist() == [2.0] * 4
 
@@ -52,7 +52,7 @@ def test_a_tensor_that_is_not_a_managed_param_is_refused_naming_the_cause() -> N
     with pytest.raises(RuntimeError, match="replaced the param by a copy"):
         torch.ops.fxzero.wait_params([copy_of_w])
     with pytest.raises(RuntimeError, match="replaced the param by a copy"):
-        opt.binding.grads_ready([torch.zeros(2, 3), torch.zeros(2, 3)], [w, copy_of_w])
+        opt.runtime.binding.grads_ready([torch.zeros(2, 3), torch.zeros(2, 3)], [w, copy_of_w])
 
 
 @pytest.mark.parametrize("inner", ["eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -81,7 +81,7 @@ def _train_routed(inner: str) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build("adapters")
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model)
-    assert len(opt.buckets) == 1  # every expert in one bucket: one launch per step covers them all
+    assert len(opt.runtime.buckets) == 1  # every expert in one bucket: one launch per step covers them all
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": inner})
     losses, local = [], GLOBAL // world
     for step in range(STEPS):

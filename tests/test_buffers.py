@@ -74,10 +74,10 @@ def test_optimizer_groups_params_by_dtype_into_buffers() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4).to(torch.bfloat16))
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
     assert [b.param_dtype for b in opt.buffers] == [torch.float32, torch.bfloat16]
-    assert [b.index for b in opt.buckets] == list(range(len(opt.buckets)))
+    assert [b.index for b in opt.runtime.buckets] == list(range(len(opt.runtime.buckets)))
     # bf16 params keep separate fp32 main shards; fp32 params are their own mains
-    assert [s.main_is_param for s in opt.shards] == [True, False]
-    assert opt.shards[1].main.dtype == torch.float32
+    assert [s.main_is_param for s in opt.runtime.shards] == [True, False]
+    assert opt.runtime.shards[1].main.dtype == torch.float32
 
 
 def _exchange(dp_size: int, rank: int, chunk_bytes: int, slots: int = 2):

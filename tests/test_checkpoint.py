@@ -61,13 +61,13 @@ def _full_state(model: torch.nn.Module, opt: fxzero.DistributedOptimizer) -> dic
     """Every param's fp32 master and AdamW state as whole tensors, assembled from all ranks'
     fragments (a sum with zeros elsewhere: exact)."""
     names = slot_names(model, opt)
-    full = {f"{n}/{k}": torch.zeros(p.numel(), dtype=torch.float64) for n, p in zip(names, opt.params) for k in ("main", "exp_avg", "exp_avg_sq")}
+    full = {f"{n}/{k}": torch.zeros(p.numel(), dtype=torch.float64) for n, p in zip(names, opt.param_table.params) for k in ("main", "exp_avg", "exp_avg_sq")}
     steps = torch.zeros(len(names), dtype=torch.float64)
-    for frag in opt.fragments:
+    for frag in opt.runtime.fragments:
         where = frag.where
         name, span = names[frag.slot], slice(where.param_offset, where.param_offset + where.numel)
         full[f"{name}/main"][span] = frag.param.double()
-        if state := opt._fragment_state(frag):  # a param that never got a gradient has none
+        if state := opt.runtime.sharded_state.fragment_state(frag):  # a param that never got a gradient has none
             full[f"{name}/exp_avg"][span] = state["exp_avg"].double()
             full[f"{name}/exp_avg_sq"][span] = state["exp_avg_sq"].double()
             steps[frag.slot] = float(state["step"])

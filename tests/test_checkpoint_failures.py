@@ -192,7 +192,7 @@ def _late_rank_one(ckpt_dir: str) -> dict[str, Any]:
         fxzero.save_checkpoint(ckpt_dir, model, opt, step=1)  # the default arrival_timeout
     return {
         "warnings": [str(w.message) for w in caught if "has waited" in str(w.message)],
-        "group timeout": process_group_timeout(None, opt.params[0].device),
+        "group timeout": process_group_timeout(None, opt.param_table.params[0].device),
     }
 
 

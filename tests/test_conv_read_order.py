@@ -113,7 +113,7 @@ def test_conv_params_are_read_only_after_their_wait(name: str) -> None:
         torch.testing.assert_close(out, reference(x), atol=1e-4, rtol=0)
     codes += code
     params = len(list(model.parameters()))
-    assert len(opt.buckets) == params
+    assert len(opt.runtime.buckets) == params
     forwards = [c for c in codes if "wait_params" in c]
     assert len(forwards) == 2, "a training forward and an inference graph"
     for generated in forwards:

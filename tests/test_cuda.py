@@ -37,7 +37,7 @@ def _check_fxzero(group: object) -> None:
     torch.testing.assert_close(losses, ref_losses, atol=1e-5, rtol=0)
     for name, param in model.named_parameters():
         torch.testing.assert_close(param.detach(), ref_params[name], atol=1e-4, rtol=0, msg=name)
-    assert sum(opt.ledger.compiled) == len(opt.params)
+    assert sum(opt.runtime.ledger.compiled) == len(opt.param_table.params)
 
 
 def test_inductor_cuda_compile_with_the_passes_trains_like_eager() -> None:

@@ -42,7 +42,7 @@ def _assert_untouched(model: torch.nn.Module, opt: fxzero.DistributedOptimizer, 
     for p, old in zip(model.parameters(), before):
         assert torch.equal(p.detach(), old)
         assert torch.count_nonzero(p.main_grad) == 0
-    assert not any(opt.ledger.launched)
+    assert not any(opt.runtime.ledger.launched)
 
 
 class TestExplain(TestCase):
@@ -246,7 +246,7 @@ def _bucket_truth(opt: fxzero.DistributedOptimizer, names: dict[int, str]) -> li
             "grad_bytes": b.grad_data.nbytes,
             "gather_bytes": b.param_data.nbytes,
         }
-        for b in opt.buckets
+        for b in opt.runtime.buckets
     ]
 
 

@@ -111,11 +111,11 @@ _NO_DECAY = (torch.optim.Rprop,)
 def test_every_elementwise_class_steps_flat_with_the_bits_of_plain_torch_optim(cls: type, foreach: bool) -> None:
     decay = {} if cls in _NO_DECAY else {"weight_decay": 0.01}
     model, opt, ref, ref_opt = _pair(cls, _KWARGS.get(cls, {"lr": 1e-2}) | {"foreach": foreach} | decay)
-    assert len(opt.update.runs) == 1 < len(opt.fragments)  # one bucket, no padding between the params
+    assert len(opt.runtime.update.runs) == 1 < len(opt.runtime.fragments)  # one bucket, no padding between the params
     built_with_state = bool(ref_opt.state)  # Adagrad's: the others create it at their first update, fragment by fragment
     _train(model, opt, range(STEPS))
     _train(ref, ref_opt, range(STEPS))
-    assert opt.update.flat_steps == STEPS - (not built_with_state)
+    assert opt.runtime.update.flat_steps == STEPS - (not built_with_state)
     _same(model, opt, ref, ref_opt)
 
 
@@ -134,7 +134,7 @@ def test_a_step_that_skips_a_param_goes_fragment_by_fragment_from_then_on_exactl
     model, opt, ref, ref_opt = _pair(torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
     _train(model, opt, range(6), skip=frozenset({2}))
     _train(ref, ref_opt, range(6), skip=frozenset({2}))
-    assert opt.update.flat_steps == 1  # step 1; step 2 hid fc2.bias, whose step count then lags its run's
+    assert opt.runtime.update.flat_steps == 1  # step 1; step 2 hid fc2.bias, whose step count then lags its run's
     _same(model, opt, ref, ref_opt)
 
 
@@ -145,10 +145,10 @@ def test_loaded_state_is_homed_again_and_steps_on_exactly() -> None:
     torch.save(opt.state_dict(), buffer)
     buffer.seek(0)
     opt.load_state_dict(torch.load(buffer, weights_only=True))
-    assert opt.update.flat_steps == 2
+    assert opt.runtime.update.flat_steps == 2
     opt.param_groups[0]["lr"] = 3e-3  # the wrapped optimizer's load replaced its group dicts: it must still arrive
     _train(model, opt, range(3, 6))
-    assert opt.update.flat_steps == 5  # homed again at once: the loaded state is the same in every run
+    assert opt.runtime.update.flat_steps == 5  # homed again at once: the loaded state is the same in every run
     for key in ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step"):  # views of one tensor per key (steps: one vector)
         assert len({opt.state[p][key].untyped_storage().data_ptr() for p in model.parameters()}) == 1, key
     _train(ref, ref_opt, range(3))
@@ -166,7 +166,7 @@ def test_a_state_tensor_replaced_by_hand_ends_the_homing_and_is_used() -> None:
         ref_opt.state[q]["exp_avg"] = torch.full_like(ref_opt.state[q]["exp_avg"], 0.5)
     _train(model, opt, range(2, 4))
     _train(ref, ref_opt, range(2, 4))
-    assert opt.update.flat_steps == 3  # steps 1, 2 (homing the replaced moments again first) and 3
+    assert opt.runtime.update.flat_steps == 3  # steps 1, 2 (homing the replaced moments again first) and 3
     _same(model, opt, ref, ref_opt)
 
 
@@ -178,7 +178,7 @@ def test_a_step_count_edited_in_place_is_used_as_torch_optim_would() -> None:
     ref_opt.state[ref.fc1.weight]["step"].fill_(10.0)
     _train(model, opt, range(3, 5))
     _train(ref, ref_opt, range(3, 5))
-    assert opt.update.flat_steps == 2  # steps 1 and 2; then the run's step counts differ
+    assert opt.runtime.update.flat_steps == 2  # steps 1 and 2; then the run's step counts differ
     _same(model, opt, ref, ref_opt)
 
 
@@ -189,7 +189,7 @@ def test_an_lr_schedulers_values_reach_the_flat_update() -> None:
         for step in range(4):
             _train(m, o, range(step, step + 1))
             scheduler.step()
-    assert opt.update.flat_steps == 3
+    assert opt.runtime.update.flat_steps == 3
     _same(model, opt, ref, ref_opt)
 
 
@@ -200,7 +200,7 @@ def test_a_group_switched_to_fused_steps_fragment_by_fragment_from_then_on() -> 
     opt.param_groups[0]["fused"] = ref_opt.param_groups[0]["fused"] = True
     _train(model, opt, range(2, 4))
     _train(ref, ref_opt, range(2, 4))
-    assert opt.update.flat_steps == 1
+    assert opt.runtime.update.flat_steps == 1
     _same(model, opt, ref, ref_opt)
 
 
@@ -208,14 +208,14 @@ def test_fused_steps_and_unknown_classes_stay_fragment_by_fragment() -> None:
     model, opt, ref, ref_opt = _pair(torch.optim.Adam, {"lr": 1e-2, "fused": True})
     _train(model, opt, range(3))
     _train(ref, ref_opt, range(3))
-    assert opt.update.flat_steps == 0
+    assert opt.runtime.update.flat_steps == 0
     _same(model, opt, ref, ref_opt)
 
     class Mine(torch.optim.SGD):  # a subclass's step may read shapes: never flat
         pass
 
     opt = fxzero.DistributedOptimizer(_Model().parameters(), Mine, lr=0.1, config=fxzero.Config(state_sharding="elementwise"))
-    assert opt.update.twin is None
+    assert opt.runtime.update.twin is None
 
 
 def test_the_flat_update_applies_to_known_elementwise_classes_over_1d_fp32_cpu_fragments() -> None:
@@ -263,7 +263,7 @@ def test_under_inductor_the_flat_update_trains_bitwise_like_the_fragment_by_frag
         with contextlib.nullcontext() if flat else mock.patch("fxzero.optim.update.flat_update.flat_update_applies", return_value=False):
             opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, module=model)
         losses = train_steps(name, cmodel, opt, range(STEPS), 8)
-        return losses, [p.detach().clone() for p in model.parameters()], opt.update.flat_steps
+        return losses, [p.detach().clone() for p in model.parameters()], opt.runtime.update.flat_steps
 
     (flat_losses, flat_params, flat_steps), (losses, params, none) = runs_from_initial_state(model, (True, False), train)
     assert (flat_steps, none) == (_FLAT_STEPS[name], 0)

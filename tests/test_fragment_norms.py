@@ -90,10 +90,10 @@ def test_an_optimizer_over_repeated_blocks_norms_each_kind_of_fragment_in_one_ca
     blocks = [torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.Linear(16, 32), torch.nn.Linear(32, 16)) for _ in range(4)]
     model = torch.nn.Sequential(*blocks)
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model)
-    norms = opt.reduced._fragment_norms
+    norms = opt.runtime.reduced._fragment_norms
     assert 1 <= len(norms._views) <= 6 and sorted(norms.order) == list(range(24))
     model(torch.randn(8, 16)).square().mean().backward()
-    grads = [f.grad for f in opt.fragments]
+    grads = [f.grad for f in opt.runtime.fragments]
     assert torch.equal(norms.compute(), torch.stack(torch._foreach_norm(grads, 2))[list(norms.order)])
 
 

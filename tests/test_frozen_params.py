@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import copy
 from typing import Any, Callable, Optional
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 import fxzero
+from fxzero.optim.gradients import grad_sync
 from fxzero.testing import run_ranks
 
 LR, WD = 0.05, 0.1
@@ -247,23 +249,25 @@ def test_unfreezing_and_add_param_group_at_world_2_train_as_ddp() -> None:
 
 
 def _launch_order(opt: fxzero.DistributedOptimizer, run: Callable[[], None]) -> list[Any]:
-    """What launched, and when the end of backward came, during ``run()``."""
+    """What launched, and when the end of backward came, during ``run()``: the reductions'
+    launches through the runtime's surface, the end of backward through the one function that
+    queues fxzero's callback on the autograd engine (``_torch_compat.queue_end_of_backward``)."""
     events: list[Any] = []
-    launch, end = opt.reductions.launch, opt.grad_sync._end_of_backward
+    launch, queue = opt.runtime.reductions.launch, grad_sync.queue_end_of_backward
 
     def recorded_launch(indices: range) -> None:
         events.extend(indices)
         launch(indices)
 
-    def recorded_end() -> None:
-        events.append("end")
-        end()
+    def recorded_queue(callback: Callable[[], None]) -> None:
+        queue(lambda: (events.append("end"), callback()))
 
-    opt.reductions.launch, opt.grad_sync._end_of_backward = recorded_launch, recorded_end
+    opt.runtime.reductions.launch = recorded_launch  # type: ignore[method-assign]
     try:
-        run()
+        with mock.patch.object(grad_sync, "queue_end_of_backward", recorded_queue):
+            run()
     finally:
-        del opt.reductions.launch, opt.grad_sync._end_of_backward
+        del opt.runtime.reductions.launch
     return events
 
 

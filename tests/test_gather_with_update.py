@@ -140,19 +140,19 @@ def _launch_order() -> list[list[bool]]:
     opt = _optimizer(model, {}, True)
     x, y = batch("gpt", 0, GLOBAL)
     loss_fn("gpt", model(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
-    before = [b.param_shards[rank].clone() for b in opt.buckets]
+    before = [b.param_shards[rank].clone() for b in opt.runtime.buckets]
     seen: list[list[bool]] = []
     launched: list[int] = []
     original = DataParallelGroup.all_gather_async
 
     def record(self: DataParallelGroup, out: torch.Tensor, shards: Any) -> Any:
-        seen.append([not torch.equal(b.param_shards[rank], old) for b, old in zip(opt.buckets, before)])
-        launched.append(next(b.index for b in opt.buckets if b.param_data.data_ptr() == out.data_ptr()))
+        seen.append([not torch.equal(b.param_shards[rank], old) for b, old in zip(opt.runtime.buckets, before)])
+        launched.append(next(b.index for b in opt.runtime.buckets if b.param_data.data_ptr() == out.data_ptr()))
         return original(self, out, shards)
 
     with mock.patch.object(DataParallelGroup, "all_gather_async", record):
         opt.step()
-    return [seen, launched, list(range(len(opt.buckets)))]  # type: ignore[list-item]
+    return [seen, launched, list(range(len(opt.runtime.buckets)))]  # type: ignore[list-item]
 
 
 def _world_2(inner: Optional[str]) -> dict[str, Any]:
@@ -191,7 +191,7 @@ def test_a_class_fxzero_does_not_know_updates_every_shard_before_the_gathers(cap
         pass
 
     model = build("mlp")
-    with caplog.at_level(logging.INFO, logger="fxzero.distributed_optimizer"), _fake_world_2():
+    with caplog.at_level(logging.INFO, logger="fxzero.runtime"), _fake_world_2():
         fxzero.DistributedOptimizer(model.parameters(), Own, lr=LR, config=fxzero.Config(state_sharding="elementwise"))
     assert "Own may couple params in its step: every shard is updated before the gathers start" in caplog.text
 

@@ -88,7 +88,7 @@ def _copies(overlap: bool) -> dict:
     ours, ref = _pair(_tiny, fxzero.Config(bucket_size=16, overlap_param_gather=overlap))
     ema_fn = get_ema_multi_avg_fn(0.9)
     emas = [AveragedModel(ours[0], multi_avg_fn=ema_fn)], [AveragedModel(ref[0], multi_avg_fn=ema_fn)]
-    out: dict = {"buckets": len(ours[2].buckets)}
+    out: dict = {"buckets": len(ours[2].runtime.buckets)}
     for step in range(STEPS):
         _train(ours, _local(step))
         _train(ref, _local(step))
@@ -119,7 +119,7 @@ def _plain_copy(copied: torch.nn.Module, reference: torch.nn.Module, opt: fxzero
     return {
         "grads": [torch.equal(p.grad, q.grad) for p, q in zip(copied.parameters(), reference.parameters())],
         "owners": [owner_of(p) for p in copied.parameters()],
-        "opt_grads_untouched": all(not b.grad_data.any() for b in opt.buckets),
+        "opt_grads_untouched": all(not b.grad_data.any() for b in opt.runtime.buckets),
     }
 
 
@@ -143,7 +143,7 @@ def _mxfp8_copies() -> dict:
     config = fxzero.Config(bucket_size=16, overlap_param_gather=True, mxfp8_param_gather=True)
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model, config=config)
     _train((model, model, opt), _local(0))
-    pending, copied = sum(opt.param_sync.pending), copy.deepcopy(model)  # its buckets land only when waited
+    pending, copied = sum(opt.runtime.param_sync.pending), copy.deepcopy(model)  # its buckets land only when waited
     out = {"pending": pending, "copied": (_values(copied), _values(model))}
     _train((model, model, opt), _local(1))
     saved = io.BytesIO()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 import fxzero
 from fxzero.optim import ShardedGrad
 from fxzero.optim.communication.comm import DataParallelGroup
+from fxzero.optim.gradients import grad_sync
 from fxzero.testing import run_ranks
 
 from models import batch, build, loss_fn, param_groups
@@ -234,7 +235,7 @@ def _two_optimizers(model: torch.nn.Module, distributed: bool) -> tuple[torch.op
 def _clip_over_two_optimizers(foreach: bool, distributed: bool = True) -> dict:
     model = build("gpt")
     opts = _two_optimizers(model, distributed)
-    assert not distributed or opts[0].whole_params
+    assert not distributed or opts[0].runtime.whole_params
     losses, norms = [], []
     for step in range(STEPS):
         x, y = _local("gpt", step) if distributed else batch("gpt", step, GLOBAL)
@@ -307,24 +308,23 @@ def _launched_before_end_of_backward(validate: bool, loss_in_graph: bool = False
     model, opt = _fxzero("gpt", fxzero.Config(bucket_size=1500))
     compiled = torch.compile(_WithLoss(model) if loss_in_graph else model, backend="fxzero", options={"inner_compiler": "eager"})
     seen: list[int] = []
-    end_of_backward = opt.grad_sync._end_of_backward
+    queue = grad_sync.queue_end_of_backward  # the one function that queues fxzero's end-of-backward callback
 
-    def counting_launched() -> None:
-        seen.append(sum(opt.ledger.launched))
-        end_of_backward()
+    def counting_launched(callback: Callable[[], None]) -> None:
+        queue(lambda: (seen.append(sum(opt.runtime.ledger.launched)), callback()))
 
-    opt.grad_sync._end_of_backward = counting_launched  # type: ignore[method-assign]
     losses, kept = [], []
-    for step in range(3):
-        x, y = batch("gpt", step, GLOBAL)
-        if validate:  # a validation loss computed without torch.no_grad(), kept alive
-            kept.append(compiled(x, y) if loss_in_graph else loss_fn("gpt", compiled(x), y))
-        loss = compiled(x, y) if loss_in_graph else loss_fn("gpt", compiled(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return seen, len(opt.buckets), losses
+    with mock.patch.object(grad_sync, "queue_end_of_backward", counting_launched):
+        for step in range(3):
+            x, y = batch("gpt", step, GLOBAL)
+            if validate:  # a validation loss computed without torch.no_grad(), kept alive
+                kept.append(compiled(x, y) if loss_in_graph else loss_fn("gpt", compiled(x), y))
+            loss = compiled(x, y) if loss_in_graph else loss_fn("gpt", compiled(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return seen, len(opt.runtime.buckets), losses
 
 
 @pytest.mark.parametrize("loss_in_graph", [False, True], ids=["loss-outside", "loss-inside-the-graph"])

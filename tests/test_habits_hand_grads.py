@@ -49,7 +49,7 @@ def _params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def _untouched(opt: fxzero.DistributedOptimizer) -> bool:
     """No gradient reached fxzero's buffers and no bucket launched since the last step."""
-    return not opt.ledger.written and not any(opt.ledger.launched) and not any(opt.ledger.presence)
+    return not opt.runtime.ledger.written and not any(opt.runtime.ledger.launched) and not any(opt.runtime.ledger.presence)
 
 
 # ---- p.grad = g ------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def _dcp_init_then_train() -> dict[str, torch.Tensor]:
     before = _params(model)
     _init_optim_state(opt)  # what torch.distributed.checkpoint.state_dict does: zero grads, lr=0, step()
     assert all(torch.equal(v, before[k]) for k, v in _params(model).items())
-    states = [opt._fragment_state(f) for f in opt.fragments]
+    states = [opt.runtime.sharded_state.fragment_state(f) for f in opt.runtime.fragments]
     assert all(float(s["step"]) == 1 and not s["exp_avg"].any() for s in states)
     assert all(p.grad is None for p in model.parameters()) and opt.param_groups[0]["lr"] == LR
     for step in range(STEPS):

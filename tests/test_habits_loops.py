@@ -132,7 +132,7 @@ def test_each_step_and_each_zero_grad_start_the_ledgers_step_once() -> None:
     the ``model.zero_grad()`` reset a late gradient triggers, and a skipped step."""
     _, D = _gan()
     opt = _adam("fxzero", D)
-    with mock.patch.object(opt.ledger, "start_step", wraps=opt.ledger.start_step) as start_step:
+    with mock.patch.object(opt.runtime.ledger, "start_step", wraps=opt.runtime.ledger.start_step) as start_step:
         D(torch.randn(3, 8)).sum().backward()
         opt.step()
         assert start_step.call_count == 1

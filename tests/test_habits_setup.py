@@ -86,7 +86,7 @@ def test_bf16_params_written_after_build_survive_the_next_step(write: str, when:
     assert not opt.step().skipped
     for name, value in model.state_dict().items():
         assert torch.equal(value, _expected(write, pretrained)[name]), name
-    (shard,) = opt.shards
+    (shard,) = opt.runtime.shards
     assert torch.equal(shard.main.to(torch.bfloat16), shard.bucket.param_data)
 
 
@@ -106,7 +106,7 @@ def _mxfp8_written(reuse: bool, write: str) -> dict:
     opt.step()
     model.load_state_dict(pretrained)  # while the step's gathers are in flight: they must not land over it
     loss = loss_fn("gpt", model(x), y).item()
-    return {"after_step": after_step, "loss": loss, "buckets": len(opt.buckets)}
+    return {"after_step": after_step, "loss": loss, "buckets": len(opt.runtime.buckets)}
 
 
 def _round_trip(t: torch.Tensor) -> torch.Tensor:
@@ -235,7 +235,7 @@ def _overlapped_norms(hooked: bool, inner: str | None) -> list[float]:
     norms = []
     for step in range(4):
         norms.append(_train_step(run, opt, step).grad_norm)  # of gradients taken at the params read
-        assert any(opt.param_sync.pending)  # the step left the gathers for the next forward
+        assert any(opt.runtime.param_sync.pending)  # the step left the gathers for the next forward
     return norms
 
 

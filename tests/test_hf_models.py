@@ -77,7 +77,7 @@ def _train_fxzero(name: str) -> dict:
             losses.append(rank_step(_loss(cmodel, x[rank * local : (rank + 1) * local], y[rank * local : (rank + 1) * local]), opt))
         opt.finish_param_sync()  # the last step's gathers are still in flight (prefetch)
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "buckets": len(opt.buckets)}
+    return {"losses": losses, "params": params, "buckets": len(opt.runtime.buckets)}
 
 
 def _train_reference(name: str) -> dict:

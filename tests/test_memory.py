@@ -36,8 +36,8 @@ def _gloo_communication(bucket_size: object) -> dict:
         p.main_grad.normal_()
 
     def communicate() -> None:
-        opt.reductions.finish()
-        opt.ledger.start_step()
+        opt.runtime.reductions.finish()
+        opt.runtime.ledger.start_step()
         opt.start_param_sync()
         opt.finish_param_sync()
 
@@ -46,11 +46,11 @@ def _gloo_communication(bucket_size: object) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = _status_mib("VmRSS")
     communicate()
-    exchange = opt.reductions.exchange
+    exchange = opt.runtime.reductions.exchange
     return {
         "added_mib": _status_mib("VmHWM") - before,
-        "buckets": len(opt.buckets),
-        "largest_mib": max(b.grad_data.nbytes for b in opt.buckets) / 2**20,
+        "buckets": len(opt.runtime.buckets),
+        "largest_mib": max(b.grad_data.nbytes for b in opt.runtime.buckets) / 2**20,
         "exchange_bytes": exchange.nbytes if exchange is not None else None,
         "runtime_extra": opt.runtime_bytes - sum(b.nbytes for b in opt.buffers),
         "bucket_size": opt.config.resolved_bucket_size(opt.dp.size, opt.dp.backend),

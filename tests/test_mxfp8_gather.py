@@ -105,7 +105,7 @@ def _train_steps_of(run: Run, capture_grads_at: int) -> dict:
                 loss.backward()
             total += loss.detach()
         if step == capture_grads_at:
-            opt.reductions.finish_launched()
+            opt.runtime.reductions.finish_launched()
             grads = [b.grad_data.clone() for b in opt.buffers]
         assert not opt.step().skipped
         opt.zero_grad()  # gathers are in flight here (prefetch): must not disturb them
@@ -115,7 +115,7 @@ def _train_steps_of(run: Run, capture_grads_at: int) -> dict:
         "losses": losses,
         "params": {n: v.clone() for n, v in model.state_dict().items()},
         "grads": grads,
-        "buckets": len(opt.buckets),
+        "buckets": len(opt.runtime.buckets),
     }
 
 
@@ -220,13 +220,13 @@ def _aliasing(reuse: bool) -> dict:
     opt.step()
     opt.finish_param_sync()
     inside = []
-    for bucket, views in zip(opt.buckets, opt.gather.views):
+    for bucket, views in zip(opt.runtime.buckets, opt.runtime.gather.views):
         lo, hi = _span(bucket.grad_data)
         d_lo, d_hi = _span(views.dest)
         inside.append(lo <= d_lo and d_hi <= hi and views.dest.untyped_storage().data_ptr() == bucket.grad_data.untyped_storage().data_ptr())
 
     def land_path() -> None:  # publish every bucket, launch and land it (the step's gather)
-        with opt._replacing_state():
+        with opt.runtime.sharded_state.replacing():
             pass
 
     with mock.patch.object(dist, "all_gather_single", _no_op_collective):
@@ -234,15 +234,15 @@ def _aliasing(reuse: bool) -> dict:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             opt.start_param_sync()  # under a profiler: launch, wait and land every bucket
     landing = sum(max(e.self_cpu_memory_usage, 0) for e in prof.events())
-    payload = sum(v.dest.nbytes for v in opt.gather.views)
+    payload = sum(v.dest.nbytes for v in opt.runtime.gather.views)
     return {
         "inside": inside,
-        "buffer": opt.gather.buffer is not None,
+        "buffer": opt.runtime.gather.buffer is not None,
         "runtime_bytes": opt.runtime_bytes,
         "payload": payload,
-        "kept": opt.gather.kept.nbytes if opt.gather.kept is not None else 0,
+        "kept": opt.runtime.gather.kept.nbytes if opt.runtime.gather.kept is not None else 0,
         "landing_allocated": landing,
-        "buckets": len(opt.buckets),
+        "buckets": len(opt.runtime.buckets),
     }
 
 

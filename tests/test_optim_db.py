@@ -94,7 +94,7 @@ def test_optim_db_configuration_is_exact_or_refused_with_the_cause(cls: type, kw
     reference = _Model()
     _train(reference, cls(_params(reference, cls), **copy.deepcopy(kwargs)))
     opt = fxzero.DistributedOptimizer(_params(model, cls), cls, config=fxzero.Config(bucket_size=40), **kwargs)
-    assert opt.whole_params == (cls not in ELEMENTWISE_OPTIMIZERS)
+    assert opt.runtime.whole_params == (cls not in ELEMENTWISE_OPTIMIZERS)
     _train(model, opt)
     assert _differences(model, reference) == dict.fromkeys(_differences(model, reference), 0.0), cls.__name__
 
@@ -128,7 +128,7 @@ def _sweep_world_2(configs: list[tuple[type, dict, str]]) -> dict[str, dict[str,
                 p.grad = (g0 + g1) / 2
             plain.step()
         apart = max(_differences(model, whole).values())
-        out[name] = _differences(model, reference) | {"whole_params": float(opts[0].whole_params), "apart": apart}
+        out[name] = _differences(model, reference) | {"whole_params": float(opts[0].runtime.whole_params), "apart": apart}
     return out
 
 
@@ -156,7 +156,7 @@ def test_an_optimizer_fxzero_does_not_know_is_served_whole_unless_stated_element
     for sharding, whole in (("auto", True), ("elementwise", False)):
         model = _Model()
         opt = fxzero.DistributedOptimizer(model.parameters(), Sign, lr=0.1, config=fxzero.Config(state_sharding=sharding))
-        assert opt.whole_params is whole
+        assert opt.runtime.whole_params is whole
         _train(model, opt)
         assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 

@@ -175,7 +175,7 @@ def test_non_finite_gradient_skips_the_update() -> None:
     result = opt.step()
     assert result.skipped and result.grad_norm != result.grad_norm
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
-    assert not opt.local.state, "a skipped step must not create optimizer state"
+    assert not opt.runtime.local.state, "a skipped step must not create optimizer state"
     opt.zero_grad()
     train_step(model, opt, 1)
     assert not all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -191,7 +191,7 @@ def test_lr_scheduler_drives_the_sharded_optimizer() -> None:
         assert train_step(model, opt, step) == train_step(ref, ref_opt, step)
         sched.step()
         ref_sched.step()
-    assert opt.local.param_groups[0]["lr"] == 0.5 * 0.5**2  # synced at the last step
+    assert opt.runtime.local.param_groups[0]["lr"] == 0.5 * 0.5**2  # synced at the last step
     for p, q in zip(model.parameters(), ref.parameters()):
         assert torch.equal(p, q)
 
@@ -305,7 +305,7 @@ def test_bf16_params_keep_fp32_masters() -> None:
         model(x).float().square().mean().backward()
         opt.step()
         opt.zero_grad()
-    (shard,) = opt.shards
+    (shard,) = opt.runtime.shards
     assert shard.main.dtype == torch.float32 and not shard.main_is_param
     assert torch.equal(shard.bucket.param_data, shard.main.to(torch.bfloat16))
     assert not torch.equal(shard.main, shard.main.to(torch.bfloat16).float()), "masters must keep fp32 bits"
@@ -331,7 +331,7 @@ def _hot_path_allocations(grad_collective: str) -> dict:
     model = build("gpt")
     config = fxzero.Config(bucket_size=4000, grad_collective=grad_collective)
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, config=config)
-    pointers = lambda: [t.data_ptr() for b in opt.buckets for t in (*b.grad_shards, *b.param_shards)]  # noqa: E731
+    pointers = lambda: [t.data_ptr() for b in opt.runtime.buckets for t in (*b.grad_shards, *b.param_shards)]  # noqa: E731
     before = pointers()
     x, y = batch("gpt", 0, 4)
     for _ in range(2):
@@ -340,8 +340,8 @@ def _hot_path_allocations(grad_collective: str) -> dict:
         opt.zero_grad()
 
     def comm_path() -> None:
-        opt.reductions.finish()
-        opt.ledger.start_step()
+        opt.runtime.reductions.finish()
+        opt.runtime.ledger.start_step()
         opt.start_param_sync()
         opt.finish_param_sync()
 
@@ -360,7 +360,7 @@ def _hot_path_allocations(grad_collective: str) -> dict:
         "allocated": sum(max(e.self_cpu_memory_usage, 0) for e in events),
         "view_ops": sorted(e.name for e in events if e.name in _VIEW_OPS),
         "same_views": pointers() == before,
-        "buckets": len(opt.buckets),
+        "buckets": len(opt.runtime.buckets),
     }
 
 
@@ -399,8 +399,8 @@ def test_module_orders_the_layout_like_megatron_and_group_order_warns(caplog: py
     opt = fxzero.DistributedOptimizer(
         param_groups(model), torch.optim.AdamW, lr=1e-3, module=model, config=fxzero.Config(bucket_size=3000)
     )
-    first = [names[id(p)] for p in opt.buckets[0].params]
-    last = [names[id(p)] for p in opt.buckets[-1].params]
+    first = [names[id(p)] for p in opt.runtime.buckets[0].params]
+    last = [names[id(p)] for p in opt.runtime.buckets[-1].params]
     # reverse registration order: the last layers (backward's first grads) fill bucket 0
     assert all(not n.startswith("blocks.0.") for n in first) and "ln_f.weight" in first, first
     assert "wte.weight" in last and all(not n.startswith("blocks.1.") for n in last), last
@@ -424,7 +424,7 @@ def _counted_collectives(config: fxzero.Config) -> dict:
         if event.name.startswith("c10d::") and "barrier" not in event.name:
             op = event.name[len("c10d::") :].strip("_").replace("_base", "")
             counted[op] = counted.get(op, 0) + 1
-    return {"counted": counted, "declared": opt.collectives_per_step, "buckets": len(opt.buckets)}
+    return {"counted": counted, "declared": opt.collectives_per_step, "buckets": len(opt.runtime.buckets)}
 
 
 @pytest.mark.parametrize(

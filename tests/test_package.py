@@ -108,7 +108,8 @@ LAYERS = (
     ("optim.gradients", "optim.update"),  # backward to step: ledger, reductions, p.grad views; the update
     ("optim",),  # what the parts export
     ("mxfp8", "compiled"),  # implements the gather protocol; what compiled graphs call (ops, binding)
-    ("distributed_optimizer",),  # assembles the parts (chooses the gather, lets the ops take DTensor params)
+    ("runtime",),  # assembles the parts in one function (chooses the gather, lets the ops take DTensor params)
+    ("distributed_optimizer",),  # lays out the buffers and param table, builds the runtime, steps it
     ("passes",),
     ("dump",),
     ("graph_compiler",),

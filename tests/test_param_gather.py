@@ -55,7 +55,7 @@ def _train(name: str, inner: str | None, overlap: bool, deferred: bool, eval_eve
             if eval_every and step % eval_every == 0:
                 with torch.no_grad():  # eager eval right after step: module pre-hooks must wait
                     evals.append(loss_fn(name, model(x), y).item())
-        pending = any(opt.param_sync.pending)
+        pending = any(opt.runtime.param_sync.pending)
         params = {n: v.clone() for n, v in model.state_dict().items()}
     return {"losses": losses, "evals": evals, "params": params, "pending_before_state_dict": pending}
 
@@ -128,7 +128,7 @@ def _accumulate_launches() -> tuple[list[int], int]:
                 launches.append(DeferredGather.launches)
             opt.step()
             opt.zero_grad()
-    return launches, len(opt.buckets)
+    return launches, len(opt.runtime.buckets)
 
 
 def test_gradient_accumulation_gathers_only_after_the_step() -> None:
@@ -148,7 +148,7 @@ def _first_forward_code(overlap: bool) -> str:
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
     config = fxzero.Config(bucket_size=32, overlap_param_gather=overlap)
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=config, module=model)
-    assert len(opt.buckets) == 2
+    assert len(opt.runtime.buckets) == 2
     graphs = []
     original = fxzero.graph_compiler.run_forward_passes
 
@@ -199,7 +199,7 @@ def _written_after_step(finish_first: bool) -> tuple[torch.nn.Module, Any, torch
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, config=config, module=model)
     model(torch.randn(5, 4)).sum().backward()
     opt.step()
-    assert any(opt.param_sync.pending)
+    assert any(opt.runtime.param_sync.pending)
     if finish_first:
         opt.finish_param_sync()
     stepped = model[0].weight.detach().clone()
@@ -226,10 +226,10 @@ def _profiled_step() -> tuple[bool, bool]:
     with torch.profiler.profile():
         loss_fn("gpt", model(x), y).backward()
         opt.step()
-        pending_under_profiler = any(opt.param_sync.pending)
+        pending_under_profiler = any(opt.runtime.param_sync.pending)
     loss_fn("gpt", model(x), y).backward()
     opt.step()
-    return pending_under_profiler, any(opt.param_sync.pending)
+    return pending_under_profiler, any(opt.runtime.param_sync.pending)
 
 
 def test_no_gather_outlives_a_profiler() -> None:

@@ -72,7 +72,7 @@ def _train(name: str, model: torch.nn.Module, cmodel: Callable, *, overlap: bool
             opt.zero_grad()
             losses.append(loss)
         params = {n: v.clone() for n, v in model.state_dict().items()}
-    return {"losses": losses, "params": params, "buckets": len(opt.buckets), "codes": codes, "distinct_params": len(list(model.parameters()))}
+    return {"losses": losses, "params": params, "buckets": len(opt.runtime.buckets), "codes": codes, "distinct_params": len(list(model.parameters()))}
 
 
 def _backward(loss: torch.Tensor) -> float:

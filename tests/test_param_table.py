@@ -15,8 +15,8 @@ def test_rows_follow_group_order_with_names_groups_and_buckets() -> None:
     opt = fxzero.DistributedOptimizer([{"params": decay}, {"params": rest}], torch.optim.SGD, lr=0.1, module=model)
     table = opt.param_table
     assert [(r.slot, r.name, r.group) for r in table.rows] == [(0, "0.weight", 0), (1, "1.weight", 0), (2, "0.bias", 1), (3, "1.bias", 1)]
-    assert table.params == tuple(decay + rest) == opt.params and table.group_slots == ((0, 1), (2, 3))
-    assert all(any(table.rows[s].param is p for p in opt.buckets[b].params) for s, b in enumerate(table.bucket_of_slot))
+    assert table.params == tuple(decay + rest) == opt.param_table.params and table.group_slots == ((0, 1), (2, 3))
+    assert all(any(table.rows[s].param is p for p in opt.runtime.buckets[b].params) for s, b in enumerate(table.bucket_of_slot))
     assert not any(hasattr(p, "_fxzero_slot") or hasattr(p, "_fxzero_name") for p in model.parameters())
 
 

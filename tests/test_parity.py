@@ -54,17 +54,17 @@ def _train_distributed(
         "losses": losses,
         "params": {n: v.clone() for n, v in model.state_dict().items()},  # waits for gathers
         "state_bytes": opt.state_bytes,
-        "buckets": len(opt.buckets),
+        "buckets": len(opt.runtime.buckets),
         "collective": opt.dp.grad_collective,
         "retired_in_backward": retired[0],
-        "chunks": sum(map(len, opt.reductions.exchange.chunks)) if opt.reductions.exchange is not None else 0,
+        "chunks": sum(map(len, opt.runtime.reductions.exchange.chunks)) if opt.runtime.reductions.exchange is not None else 0,
     }
 
 
 def _count_retires_in_backward(opt: fxzero.DistributedOptimizer) -> list[int]:
     """How many exchange chunks were finished while a backward ran (the exchange keeping up)."""
     count = [0]
-    exchange = opt.reductions.exchange
+    exchange = opt.runtime.reductions.exchange
     if exchange is not None:
         retire = exchange._retire
 
@@ -162,7 +162,7 @@ def _accumulate(microbatches: int) -> dict:
         last = i == len(chunks) - 1
         with opt.no_sync() if not last else contextlib.nullcontext():
             (loss_fn("mlp", model(xc), yc) / microbatches).backward()
-        launched.append(opt.reductions.in_flight or all(opt.ledger.launched))
+        launched.append(opt.runtime.reductions.in_flight or all(opt.runtime.ledger.launched))
     opt.step()
     return {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "launched": launched}
 

@@ -22,13 +22,13 @@ def _bf16_model_and_opt() -> tuple[torch.nn.Module, fxzero.DistributedOptimizer]
 
 def test_fragments_say_where_they_lie_and_replacing_state_publishes_the_masters() -> None:
     model, opt = _bf16_model_and_opt()
-    assert sorted((f.slot, f.where.param_offset, f.where.numel) for f in opt.fragments) == [
-        (s, 0, p.numel()) for s, p in enumerate(opt.params)
+    assert sorted((f.slot, f.where.param_offset, f.where.numel) for f in opt.runtime.fragments) == [
+        (s, 0, p.numel()) for s, p in enumerate(opt.param_table.params)
     ]
-    with opt._replacing_state():
-        for frag in opt.fragments:
+    with opt.runtime.sharded_state.replacing():
+        for frag in opt.runtime.fragments:
             frag.param.fill_(float(frag.slot) + 0.5)  # fp32 masters, apart from the bf16 params
-    for slot, param in enumerate(opt.params):
+    for slot, param in enumerate(opt.param_table.params):
         assert torch.equal(param, torch.full_like(param, slot + 0.5))
 
 
@@ -36,26 +36,29 @@ def test_fragment_states_round_trip_and_load_state_dict_goes_through_replacing_s
     model, opt = _bf16_model_and_opt()
     model(torch.randn(3, 4, dtype=torch.bfloat16)).sum().backward()
     opt.step()
-    states = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt._fragment_state(f).items()} for f in opt.fragments]
+    states = [{k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in opt.runtime.sharded_state.fragment_state(f).items()} for f in opt.runtime.fragments]
     assert all(set(s) == {"step", "exp_avg", "exp_avg_sq"} for s in states)
     saved = opt.state_dict()
-    with opt._replacing_state():
-        opt._load_fragment_states([{**s, "exp_avg": torch.zeros_like(s["exp_avg"])} for s in states])
-    assert all(not opt._fragment_state(f)["exp_avg"].any() for f in opt.fragments)
-    with mock.patch.object(type(opt), "_replacing_state", wraps=opt._replacing_state) as replacing:
+    with opt.runtime.sharded_state.replacing():
+        opt.runtime.sharded_state.load_fragment_states([{**s, "exp_avg": torch.zeros_like(s["exp_avg"])} for s in states])
+    assert all(not opt.runtime.sharded_state.fragment_state(f)["exp_avg"].any() for f in opt.runtime.fragments)
+    state = opt.runtime.sharded_state
+    with mock.patch.object(type(state), "replacing", wraps=state.replacing) as replacing:
         opt.load_state_dict(saved)
     assert replacing.call_count == 1
-    assert all(torch.equal(opt._fragment_state(f)["exp_avg"], s["exp_avg"]) for f, s in zip(opt.fragments, states))
+    assert all(torch.equal(opt.runtime.sharded_state.fragment_state(f)["exp_avg"], s["exp_avg"]) for f, s in zip(opt.runtime.fragments, states))
 
 
-def _optimizer_attributes(tree: ast.AST) -> set[str]:
-    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and ast.unparse(node.value) == "opt"}
+def _attributes_of(tree: ast.AST, owner: str) -> set[str]:
+    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and ast.unparse(node.value) == owner}
 
 
-STATE_API = {"_fragment_state", "_load_fragment_states", "_replacing_state"}
-"""The private methods fxzero.checkpoint may call: the fragment-level state API."""
+STATE_API = {"fragment_state", "load_fragment_states", "replacing"}
+"""The methods of the runtime's sharded state fxzero.checkpoint may call: the fragment-level state API."""
 
 
 def test_checkpoints_use_only_the_state_api_of_the_optimizer() -> None:
-    used = set().union(*(_optimizer_attributes(ast.parse(p.read_text())) for p in CHECKPOINT.glob("*.py")))
-    assert used and {a for a in used if a.startswith("_")} <= STATE_API and "local" not in used and "buffers" not in used
+    trees = [ast.parse(p.read_text()) for p in CHECKPOINT.glob("*.py")]
+    used, runtime, state = ({a for t in trees for a in _attributes_of(t, owner)} for owner in ("opt", "opt.runtime", "opt.runtime.sharded_state"))
+    assert used and not {a for a in used if a.startswith("_")} and "buffers" not in used
+    assert runtime <= {"fragments", "mesh_params", "sharded_state"} and state == STATE_API

@@ -329,7 +329,7 @@ def test_the_whole_state_dict_carries_the_fp32_masters_of_bf16_params_and_resume
     resumed.load_state_dict(weights)
     resumed_opt.load_state_dict(saved)
     train(resumed, resumed_opt, range(STEPS, 2 * STEPS))
-    assert all(torch.equal(a.param, b.param) for a, b in zip(opt.fragments, resumed_opt.fragments))
+    assert all(torch.equal(a.param, b.param) for a, b in zip(opt.runtime.fragments, resumed_opt.runtime.fragments))
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), resumed.parameters()))
 
 

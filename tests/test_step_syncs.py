@@ -55,13 +55,13 @@ def _reads_per_step(config: fxzero.Config, compiled: bool) -> list[list[str]]:
     model = build("gpt")
     with _as_on_a_gpu():
         opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, config=config, module=model)
-    assert opt.update.twin is None
+    assert opt.runtime.update.twin is None
     run = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"}) if compiled else model
     steps = []
     for step in range(3):
         x, y = batch("gpt", step, 4 * world)
         loss_fn("gpt", run(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4]).backward()
-        with ValueReads(lambda: {id(s["step"]) for s in opt.local.state.values() if "step" in s}) as reads:
+        with ValueReads(lambda: {id(s["step"]) for s in opt.runtime.local.state.values() if "step" in s}) as reads:
             opt.step()
         steps.append(reads.reads)
     return steps
@@ -93,7 +93,7 @@ def _reads_with_scaler() -> list[list[str]]:
     for step in range(2):
         x, y = batch("gpt", step, 8)
         scaler.scale(loss_fn("gpt", model(x[rank * 4 : rank * 4 + 4]), y[rank * 4 : rank * 4 + 4])).backward()
-        with ValueReads(lambda: {id(s["step"]) for s in opt.local.state.values() if "step" in s}) as reads:
+        with ValueReads(lambda: {id(s["step"]) for s in opt.runtime.local.state.values() if "step" in s}) as reads:
             opt.grad_scale, opt.found_inf = scaler._scale, torch.zeros(())  # what GradScaler.step hands over
             opt.step()
         del opt.grad_scale, opt.found_inf

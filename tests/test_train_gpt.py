@@ -38,7 +38,7 @@ def _train(argv: list[str]) -> dict[str, Any]:
     losses, skipped, _ = train_gpt.train(job)
     return {
         "classes": {name: opt.optimizer_class.__name__ for name, opt in job.opts.items()},
-        "whole_params": {name: opt.whole_params for name, opt in job.opts.items()},
+        "whole_params": {name: opt.runtime.whole_params for name, opt in job.opts.items()},
         "losses": losses,
         "skipped": skipped,
         "params": {k: v.detach().clone() for k, v in job.model.state_dict().items()},
@@ -244,10 +244,10 @@ def _train_tp_mxfp8(argv: list[str]) -> dict[str, Any]:
     losses, skipped, _ = train_gpt.train(job)
     (opt,) = job.opts.values()
     round_trips = []
-    for bucket, shard in zip(opt.buckets, opt.shards):
+    for bucket, shard in zip(opt.runtime.buckets, opt.runtime.shards):
         gathered = bucket.param_shards[opt.dp.rank]
         round_trips.append(torch.equal(gathered, mxfp8.dequantize(*mxfp8.quantize(shard.main)).to(gathered.dtype)))
-    spans = [(b.param_data.data_ptr(), b.param_data.data_ptr() + b.param_data.nbytes) for b in opt.buckets]
+    spans = [(b.param_data.data_ptr(), b.param_data.data_ptr() + b.param_data.nbytes) for b in opt.runtime.buckets]
     inside = [any(lo <= p.to_local().data_ptr() < hi for lo, hi in spans) for p in job.model.parameters() if isinstance(p, DTensor)]
     return {"losses": losses, "skipped": skipped, "round_trips": round_trips, "inside": inside}
 

@@ -235,8 +235,8 @@ def _train(run: Run) -> dict:
         expected.append(_plain_step(run, reference, plain, plain_scaler, step, world, reference_forward))
     for opt in opts:
         opt.finish_param_sync()
-    whole = [o.whole_params for o in opts]
-    owners = [[row.owner for row in opts[0].param_table.rows if row.bucket == b.index] for b in opts[0].buckets]
+    whole = [o.runtime.whole_params for o in opts]
+    owners = [[row.owner for row in opts[0].param_table.rows if row.bucket == b.index] for b in opts[0].runtime.buckets]
     return {"steps": steps, "expected": expected, "diff": _max_diff(model, reference), "whole": whole, "params": _params(model)} | {
         "owners": owners  # per bucket of the first optimizer, its params' owners
     }
@@ -330,7 +330,7 @@ def _save_at_world_2(run: Run, ckpt_dir: str) -> dict:
     for step in range(K, 2 * K):
         _two_slice_step(run, model, opts, step)
         _two_slice_step(run, twin, twin_opts, step)
-    return saved | {"uninterrupted": _params(model), "twin": _params(twin), "whole": [o.whole_params for o in opts]}
+    return saved | {"uninterrupted": _params(model), "twin": _params(twin), "whole": [o.runtime.whole_params for o in opts]}
 
 
 def _resume_at_world_1(run: Run, ckpt_dir: str, consolidated: list[dict]) -> dict:

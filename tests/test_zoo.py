@@ -103,7 +103,7 @@ def _train(case: Case, model: torch.nn.Module, cmodel: Any, *, overlap: bool) ->
             losses.append(rank_step(case.loss(cmodel, _half(case.data(step, GLOBAL), rank, world)), opt))
         opt.finish_param_sync()
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "params": params, "buckets": len(opt.buckets), "numel": numel}
+    return {"losses": losses, "params": params, "buckets": len(opt.runtime.buckets), "numel": numel}
 
 
 def _train_both(name: str) -> dict[str, Any]:

@@ -128,7 +128,7 @@ def _save(
     extra: Optional[dict[str, Any]], arrival_timeout: Optional[float],
 ) -> Path:  # fmt: skip
     ranks = _ranks(optimizer)
-    ranks.handshake(f"save_checkpoint(step={step})", arrival_timeout, optimizer.params[0].device)
+    ranks.handshake(f"save_checkpoint(step={step})", arrival_timeout, optimizer.param_table.params[0].device)
     optimizer.finish_param_sync()
     names, state, spec, groups = ranks.together("collecting the state to save", lambda: _collect(model, optimizer))
     manifest = {
@@ -167,7 +167,7 @@ def load_checkpoint(
     _check_optimizer(optimizer)
     _check_timeout(arrival_timeout)
     ranks = _ranks(optimizer)
-    ranks.handshake(f"load_checkpoint({None if path is None else Path(path).name!r})", arrival_timeout, optimizer.params[0].device)
+    ranks.handshake(f"load_checkpoint({None if path is None else Path(path).name!r})", arrival_timeout, optimizer.param_table.params[0].device)
     if path is None:
         raise CheckpointError(
             "load_checkpoint: path is None, so there is no checkpoint to load. fxzero.latest_checkpoint(ckpt_dir) "
@@ -249,7 +249,7 @@ def _ranks(optimizer: DistributedOptimizer) -> CheckpointRanks:
     placed over other mesh dimensions (tensor parallelism) the whole world, which must then
     be that mesh (the data-parallel group times those dimensions): each TP rank holds other
     pieces of the params, and one DCP call over all of them writes one checkpoint."""
-    dims = optimizer.mesh_params.dims
+    dims = optimizer.runtime.mesh_params.dims
     if not dims:
         return CheckpointRanks(optimizer.dp)
     world = DataParallelGroup.resolve(dist.group.WORLD)

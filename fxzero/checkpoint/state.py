@@ -152,13 +152,13 @@ def slot_names(model: torch.nn.Module, opt: "DistributedOptimizer") -> list[str]
     name_of: dict[int, str] = {}
     for name, param in model.named_parameters():
         name_of.setdefault(id(param), name)
-    for slot, param in enumerate(opt.params):
+    for slot, param in enumerate(opt.param_table.params):
         if id(param) not in name_of:
             raise CheckpointError(
                 f"optimizer param {slot} (shape {tuple(param.shape)}) is not a parameter of the given model; "
                 "pass the model whose params the optimizer manages"
             )
-    return [name_of[id(p)] for p in opt.params]
+    return [name_of[id(p)] for p in opt.param_table.params]
 
 
 def _kind(value: Any, frag: FragmentTensor, where: str) -> Any:
@@ -174,12 +174,12 @@ def save_state(model: torch.nn.Module, opt: "DistributedOptimizer", names: Seque
     (a param replicated over a tensor-parallel dimension is written from its coordinate 0)."""
     state: dict[str, Any] = {MODEL + key: value for key, value in model.state_dict().items()}
     spec: dict[str, dict[str, Any]] = {}
-    for frag in opt.fragments:
-        name, where, lo = names[frag.slot], placed(opt.params[frag.slot]), frag.where.param_offset
-        writes = opt.mesh_params.counted_here(frag.slot)
+    for frag in opt.runtime.fragments:
+        name, where, lo = names[frag.slot], placed(opt.param_table.params[frag.slot]), frag.where.param_offset
+        writes = opt.runtime.mesh_params.counted_here(frag.slot)
         if writes:
             state[f"{OPTIM}{name}/main"] = where.pieces(frag.param.detach().reshape(-1), lo)
-        for key, value in opt._fragment_state(frag).items():
+        for key, value in opt.runtime.sharded_state.fragment_state(frag).items():
             kind = spec.setdefault(name, {})[key] = _kind(value, frag, f"{key!r} of {name!r}")
             if writes and kind == SHARDED:
                 state[f"{OPTIM}{name}/{key}"] = where.pieces(value.reshape(-1), lo)
@@ -197,9 +197,9 @@ def check_compatible(
     problems += _model_differences(metadata, model)
     problems += _group_differences(manifest["param_groups"], opt, names)
     for slot, name in enumerate(names):
-        where, entries = placed(opt.params[slot]), metadata.state_dict_metadata
+        where, entries = placed(opt.param_table.params[slot]), metadata.state_dict_metadata
         entry = entries.get(f"{OPTIM}{name}/main")
-        if opt.params[slot].numel() and not (isinstance(entry, TensorStorageMetadata) and where.reads(entry.size)):
+        if opt.param_table.params[slot].numel() and not (isinstance(entry, TensorStorageMetadata) and where.reads(entry.size)):
             saved = f"of shape {tuple(entry.size)}" if isinstance(entry, TensorStorageMetadata) else "none"
             problems.append(f"param {name!r}: no fp32 master values of its shape {where.size} in the checkpoint ({saved})")
         for key, kind in manifest["state"].get(name, {}).items():
@@ -248,8 +248,8 @@ def load_targets(
         if opt.param_table.find(value) is None
     }
     entries = metadata.state_dict_metadata
-    for frag in opt.fragments:
-        name, where, lo, numel = names[frag.slot], placed(opt.params[frag.slot]), frag.where.param_offset, frag.where.numel
+    for frag in opt.runtime.fragments:
+        name, where, lo, numel = names[frag.slot], placed(opt.param_table.params[frag.slot]), frag.where.param_offset, frag.where.numel
         for key, kind in [("main", SHARDED), *spec.get(name, {}).items()]:
             fqn = f"{OPTIM}{name}/{key}"
             if kind == SHARDED:
@@ -274,15 +274,15 @@ def apply_loaded(
     for key, value in model.state_dict(keep_vars=True).items():
         if MODEL + key in targets:
             value.detach().copy_(targets[MODEL + key])
-    with opt._replacing_state():  # on exit: masters -> every rank's params
+    with opt.runtime.sharded_state.replacing():  # on exit: masters -> every rank's params
         states = []
-        for frag in opt.fragments:
+        for frag in opt.runtime.fragments:
             name = names[frag.slot]
             frag.param.view(-1).copy_(targets[f"{OPTIM}{name}/main"].flat)
             states.append(
                 {key: _loaded_value(targets, f"{OPTIM}{name}/{key}", kind, frag) for key, kind in spec.get(name, {}).items()}
             )
-        opt._load_fragment_states(states)
+        opt.runtime.sharded_state.load_fragment_states(states)
 
 
 def _loaded_value(targets: dict[str, Any], fqn: str, kind: Any, frag: FragmentTensor) -> Any:

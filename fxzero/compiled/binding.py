@@ -83,7 +83,7 @@ def binding_of(param: torch.Tensor) -> "GraphBinding":
             "that no longer exists. Build a new DistributedOptimizer over the model's params (the compiled graphs "
             "use it), or call torch.compiler.reset() and compile again to train without fxzero."
         )
-    return owner.binding
+    return owner.runtime.binding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +145,7 @@ def not_a_param_message(value: Any) -> str:
 
 
 class GraphBinding:
-    """Everything compiled graphs call into, for one optimizer (``optimizer.binding``)."""
+    """Everything compiled graphs call into, for one optimizer (``optimizer.runtime.binding``)."""
 
     def __init__(self, table: ParamTable, ledger: Ledger, grad_sync: GradSync, param_sync: ParamSync) -> None:
         self.table, self.ledger, self.grad_sync, self.param_sync = table, ledger, grad_sync, param_sync
@@ -322,7 +322,7 @@ def _land_adopted(graph: int, params: Sequence[Any]) -> None:
             stacklevel=3,
         )
     for owner in owners.values():
-        owner.binding.land_all()
+        owner.runtime.binding.land_all()
 
 
 def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:

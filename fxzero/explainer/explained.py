@@ -67,4 +67,4 @@ class Explained:
     @property
     def overlap(self) -> bool:
         """``Config.overlap_param_gather``: whether the forward graphs wait for gathers."""
-        return bool(self.optimizer.param_sync.overlap)
+        return bool(self.optimizer.runtime.param_sync.overlap)

@@ -62,7 +62,7 @@ def _facts(bucket: Any, explained: "Explained") -> BucketFacts:
         padded=padded,
         shard=padded // opt.dp.size,
         grad_bytes=padded * bucket.grad_data.element_size(),
-        gather_bytes=opt.gather.bytes_per_gather(bucket.index),
+        gather_bytes=opt.runtime.gather.bytes_per_gather(bucket.index),
         param_dtype=_dtype(bucket.param_data),
         grad_dtype=_dtype(bucket.grad_data),
         graphs=tuple(explained.graphs_of_bucket(bucket.index)),
@@ -71,7 +71,7 @@ def _facts(bucket: Any, explained: "Explained") -> BucketFacts:
 
 def bucket_facts(explained: "Explained") -> list[BucketFacts]:
     """Every bucket of the optimizer, in index order."""
-    return [_facts(b, explained) for b in explained.optimizer.buckets]
+    return [_facts(b, explained) for b in explained.optimizer.runtime.buckets]
 
 
 def totals(facts: list[BucketFacts]) -> tuple[int, int, float]:

@@ -79,5 +79,5 @@ def schedules(explained: "Explained") -> list[GraphSchedule]:
 
 def spanning(explained: "Explained") -> dict[int, list[int]]:
     """Buckets whose params are read by more than one compiled graph (graph breaks) -> graphs."""
-    seen = {b.index: explained.graphs_of_bucket(b.index) for b in explained.optimizer.buckets}
+    seen = {b.index: explained.graphs_of_bucket(b.index) for b in explained.optimizer.runtime.buckets}
     return {bucket: graphs for bucket, graphs in seen.items() if len(graphs) > 1}

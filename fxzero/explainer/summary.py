@@ -116,7 +116,7 @@ def collective_lines(explained: "Explained") -> list[str]:
     counts = [f"{c} x {op}" for op, c in sorted(opt.collectives_per_step.items())] or ["none"]
     lines = _wrapped("collectives per step, c10d names (as torch.profiler shows them): ", counts)
     group = f"  data-parallel group: ranks {collectives.group_ranks(dp)}"
-    if opt.reduced.mesh_norms is not None:
+    if opt.runtime.reduced.mesh_norms is not None:
         group += " (the grad norm's all-reduce runs once more over each other mesh dim)"
     others = collectives.replica_ranks(dp)
     if others is not None:

@@ -1,6 +1,6 @@
 """What the sharded optimizer runs on: layout plans (elementwise and whole-param), flat buffers, the param table, shards,
 the flat update, the process group, the readiness ledger, gradient reduce-scatters and param all-gathers
-(the gather protocol). :class:`fxzero.DistributedOptimizer` assembles them."""
+(the gather protocol). :func:`fxzero.runtime.build_runtime` assembles them."""
 
 from .layout.buffers import Bucket, ParamAndGradBuffer, shard_buffer
 from .communication.comm import CollectiveError, DataParallelGroup

@@ -135,5 +135,5 @@ def train_rank(task: RankTask) -> RankRun:
     opt.finish_param_sync()
     params = param_snapshot(model)
     name = {id(p): n for n, p in model.named_parameters()}
-    buckets = {name[id(p)]: b.index for b in opt.buckets for p in b.params}
+    buckets = {name[id(p)]: b.index for b in opt.runtime.buckets for p in b.params}
     return RankRun(tuple(losses), params, tuple(snapshots) + ((params,) if record else ()), buckets, tuple(skipped))

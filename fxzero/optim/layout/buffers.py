@@ -16,7 +16,6 @@ from typing import Optional, Sequence
 
 import torch
 
-from ...config import Config
 from ..communication.comm import DataParallelGroup
 from .layout import BufferPlan, plan_buckets
 from .mesh import local_of, planned, rebind
@@ -109,27 +108,28 @@ class ParamAndGradBuffer:
 
 
 def build_buffers(
-    layout: Sequence[torch.nn.Parameter], config: Config, dp: DataParallelGroup, *, whole_params: bool = False
+    layout: Sequence[torch.nn.Parameter], dp: DataParallelGroup, *, bucket_size: Optional[int], pad_for_high_busbw: bool,
+    shard_multiple: int, grad_dtype: Optional[torch.dtype], whole_params: bool = False,
 ) -> tuple[ParamAndGradBuffer, ...]:
     """One buffer per param dtype, in order of first appearance in ``layout``; bucket
     indices run on over the buffers. ``whole_params`` lays each param inside one rank's
-    shard (:mod:`fxzero.optim.layout.ownership`) instead of cutting it at shard boundaries."""
+    shard (:mod:`fxzero.optim.layout.ownership`) instead of cutting it at shard boundaries. The
+    other arguments are ``Config``'s fields of those names (the bucket size resolved for ``dp``)."""
     planner = plan_owned_buckets if whole_params else plan_buckets
     groups: dict[torch.dtype, list[torch.nn.Parameter]] = {}
     for param in layout:
         groups.setdefault(param.dtype, []).append(param)
-    bucket_size = config.resolved_bucket_size(dp.size, dp.backend)
     buffers, first = [], 0
     for params in groups.values():
         plan = planner(
             [planned(p) for p in params],
             dp_size=dp.size,
             bucket_size=bucket_size,
-            pad_for_high_busbw=config.pad_for_high_busbw,
-            shard_multiple=config.shard_multiple,
-            grad_dtype=config.grad_dtype,
+            pad_for_high_busbw=pad_for_high_busbw,
+            shard_multiple=shard_multiple,
+            grad_dtype=grad_dtype,
         )
-        buffers.append(ParamAndGradBuffer(params, plan, grad_dtype=config.grad_dtype, first_bucket_index=first))
+        buffers.append(ParamAndGradBuffer(params, plan, grad_dtype=grad_dtype, first_bucket_index=first))
         first += len(plan.buckets)
     return tuple(buffers)
 

@@ -320,6 +320,13 @@ class Publish:
         self.gather.publish(index, self.mains[index])
         self.sync.launch(index)
 
+    def all(self) -> None:
+        """Every bucket's fp32 masters -> the gather's input; every gather launched."""
+        self.sync.begin()
+        for index in self.sync.order:
+            self(index)
+        self.sync.end()
+
 
 def written_in_flight(detail: Optional[str], ranks: int) -> RuntimeError:
     """The error every rank raises when ``ranks`` ranks found params written while the gathers

@@ -1,10 +1,11 @@
 """The state half of :class:`~fxzero.distributed_optimizer.DistributedOptimizer`: ``opt.state``,
 ``state_dict()`` / ``load_state_dict()``, the consolidated export and the small fragment API
-that checkpoints use (private methods: a user replacing state by hand would bypass every check of
-``load_state_dict``).
+that checkpoints use (:mod:`fxzero.checkpoint`; a user replacing state by hand would bypass every
+check of ``load_state_dict``).
 
-Why a mixin: these methods only read the parts the optimizer assembles (listed below as
-annotations) and never build any, so they live apart from construction and the step. The
+Why an object of its own: these methods only read the parts the runtime assembles (given to the
+constructor, as plain parts and values, never the optimizer or its ``Config``) and never build
+any, so they live apart from construction and the step; the optimizer delegates to it. The
 formats themselves are :mod:`fxzero.optim.state.state_dict`'s.
 """
 
@@ -17,8 +18,6 @@ from typing import Any, Optional
 
 import torch
 
-from ...config import Config
-from ..._torch_compat import with_load_state_dict_hooks, with_state_dict_hooks
 from ..communication.arrival import Absent, Mismatch, meet
 from ..layout.buffers import ParamAndGradBuffer
 from ..communication.comm import DataParallelGroup
@@ -37,49 +36,24 @@ STATE_DICT_WARNING = 10.0
 
 
 class ShardedState:
-    """State methods over the parts a DistributedOptimizer holds."""
+    """State methods over the parts of one runtime (rebuilt with it by ``add_param_group``).
+    ``param_groups`` is the optimizer's own list (hyperparameters are read and loaded there);
+    ``finish_gathers`` lands every gather in flight, ``publish_and_gather`` puts the fp32 masters
+    into the params."""
 
-    config: Config
-    dp: DataParallelGroup
-    _consolidated: Optional[dict[str, Any]]
-    buffers: Sequence[ParamAndGradBuffer]
-    shards: Sequence[BucketShard]
-    fragments: Sequence[FragmentTensor]
-    param_table: ParamTable
-    params: Sequence[torch.Tensor]
-    param_groups: list[dict[str, Any]]
-    local: torch.optim.Optimizer
-    mesh_params: MeshParams
-    _rank_state: RankState
-    finish_param_sync: Callable[[], None]
-    _publish_and_gather: Callable[[], None]
-
-    @property
-    def state(self) -> RankState:  # type: ignore[override]
-        """Each managed param's state as this rank holds it (:mod:`fxzero.optim.state.rank_state`)."""
-        return self._rank_state
-
-    @state.setter
-    def state(self, value: Any) -> None:
-        if value:  # torch.optim.Optimizer.__init__ assigns an empty dict
-            raise AttributeError("DistributedOptimizer.state is a read-only view; load state with load_state_dict")
-
-    def state_dict(self) -> dict[str, Any]:
-        """The whole optimizer state in ``torch.optim``'s schema: what the wrapped optimizer
-        class over the same param groups would return without fxzero (it loads into one, or
-        back into a DistributedOptimizer at any world size), plus each param's fp32 master
-        values where they are kept apart from the params (``MASTER_KEY``).
-
-        At world size > 1 it is collective, like FSDP's ``optim_state_dict``: every rank of
-        the group calls it, and every rank gets the whole state. A call on some ranks only
-        (``if rank == 0: torch.save(opt.state_dict())``) fails on the ranks that made it
-        within ``Config.state_dict_timeout`` seconds, naming the fix, instead of saving one
-        rank's shard. The exception is ZeroRedundancyOptimizer's protocol, which Lightning
-        and :class:`fxzero.hugging_face.CheckpointCallback` follow: after
-        :meth:`consolidate_state_dict` on every rank, rank ``to`` alone returns the
-        consolidated state (until the next ``step()``). Hooks registered on the optimizer
-        run around it, as in torch.optim."""
-        return with_state_dict_hooks(self, self._whole_state_dict)  # type: ignore[arg-type]
+    def __init__(
+        self, *, dp: DataParallelGroup, table: ParamTable, param_groups: list[dict[str, Any]], buffers: Sequence[ParamAndGradBuffer],
+        shards: Sequence[BucketShard], fragments: Sequence[FragmentTensor], local: torch.optim.Optimizer, mesh_params: MeshParams,
+        timeout: float, finish_gathers: Callable[[], None], publish_and_gather: Callable[[], None],
+    ) -> None:  # fmt: skip
+        self.dp, self.param_table, self.param_groups, self.buffers = dp, table, param_groups, buffers
+        self.shards, self.fragments, self.local, self.mesh_params = shards, fragments, local, mesh_params
+        self.timeout, self.finish_param_sync, self._publish_and_gather = timeout, finish_gathers, publish_and_gather
+        self.params = table.params
+        self.rank_state = RankState(table, fragments, local)
+        """Each managed param's state as this rank holds it (``opt.state``, :mod:`fxzero.optim.state.rank_state`)."""
+        self.consolidated: Optional[dict[str, Any]] = None
+        """The whole state :meth:`consolidate_state_dict` left on this rank; dropped at the next ``step()``."""
 
     def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
         """Gather the whole state onto rank ``to`` of the group (``None``: every rank;
@@ -90,7 +64,7 @@ class ShardedState:
         if to is not None and not (isinstance(to, int) and 0 <= to < self.dp.size):
             raise ValueError(f"consolidate_state_dict(to={to!r}): the optimizer's group has ranks 0..{self.dp.size - 1}")
         whole = self._collective_state_dict("consolidate_state_dict")
-        self._consolidated = whole if to is None or self.dp.rank == to else None
+        self.consolidated = whole if to is None or self.dp.rank == to else None
 
     def rank_state_dict(self) -> dict[str, Any]:
         """This rank's shard of the state (fxzero's own format, ``STATE_FORMAT``), for a
@@ -108,18 +82,19 @@ class ShardedState:
             "main_shards": [s.main for s in self.shards if not s.main_is_param],
         }
 
-    def _whole_state_dict(self) -> dict[str, Any]:
-        if self._consolidated is not None:  # the state as of the last step; hyperparameters as they are now
-            return {"state": self._consolidated["state"], "param_groups": self._plain_groups()}
+    def whole_state_dict(self) -> dict[str, Any]:
+        """What ``opt.state_dict()`` returns inside the optimizer's state-dict hooks."""
+        if self.consolidated is not None:  # the state as of the last step; hyperparameters as they are now
+            return {"state": self.consolidated["state"], "param_groups": self._plain_groups()}
         return self._collective_state_dict("state_dict")
 
     def _collective_state_dict(self, call: str) -> dict[str, Any]:
         """Meet every rank first (:func:`~fxzero.optim.communication.arrival.meet`): a call made on some
         ranks only fails there in bounded time rather than blocking in the gather."""
-        self._refuse_param_shaped_state(f"opt.{call}()")
+        self.refuse_param_shaped_state(f"opt.{call}()")
         device = self.params[0].device
         try:
-            meet(self.dp, STATE_DICT_KEYS, call, self.config.state_dict_timeout, device,
+            meet(self.dp, STATE_DICT_KEYS, call, self.timeout, device,
                  warn_after=STATE_DICT_WARNING, late=functools.partial(_late, self.dp, call))  # fmt: skip
         except (Absent, Mismatch) as err:
             raise RuntimeError(_not_collective(self.dp, call, err)) from None
@@ -127,18 +102,11 @@ class ShardedState:
         return self.consolidated_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` saved on this rank, or a plain ``torch.optim`` state
-        dict of the same optimizer class (a run without fxzero: each rank takes its shard).
-        Collective (the params are gathered afterwards): every rank loads, or, if any rank's
-        state dict is wrong, every rank raises, naming that rank's problem. Load-state-dict
-        hooks registered on the optimizer run around it, as in torch.optim."""
-        with_load_state_dict_hooks(self, state_dict, self._load_state_dict)  # type: ignore[arg-type]
-
-    def _load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._consolidated = None
+        """What ``opt.load_state_dict()`` does inside the optimizer's load-state-dict hooks."""
+        self.consolidated = None
         plain = is_plain_state_dict(state_dict)
         if plain:
-            self._refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
+            self.refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
         problem, states = None, []
         try:
             if plain:
@@ -148,9 +116,9 @@ class ShardedState:
         except (ValueError, KeyError, TypeError) as err:
             problem = str(err)
         self.dp.agree(problem, "load_state_dict")
-        with self._replacing_state():
+        with self.replacing():
             if plain:
-                self._load_whole_states(states)
+                self.load_whole_states(states)
             else:
                 self.local.load_state_dict(state_dict["local"])
                 separate = [s for s in self.shards if not s.main_is_param]
@@ -165,11 +133,11 @@ class ShardedState:
         optimizer class over the same param groups without fxzero, or back into a
         DistributedOptimizer at any world size (:meth:`load_state_dict`). What
         :meth:`state_dict` returns, without its check that every rank called it."""
-        self._refuse_param_shaped_state("consolidated_state_dict")
+        self.refuse_param_shaped_state("consolidated_state_dict")
         separate = {s.bucket.index for s in self.shards if not s.main_is_param}
         bucket_of = self.param_table.bucket_of_slot
         states = [
-            self._fragment_state(f) | ({MASTER_KEY: f.param} if bucket_of[f.slot] in separate else {})
+            self.fragment_state(f) | ({MASTER_KEY: f.param} if bucket_of[f.slot] in separate else {})
             for f in self.fragments
         ]
         state = consolidated_state(self.param_table, self.fragments, states, self.dp)
@@ -180,7 +148,7 @@ class ShardedState:
         (``add_param_group`` consolidates with the new group appended already)."""
         return [hyperparameters(self.param_groups[g]) | {"params": list(slots)} for g, slots in enumerate(self.param_table.group_slots)]
 
-    def _refuse_param_shaped_state(self, what: str) -> None:
+    def refuse_param_shaped_state(self, what: str) -> None:
         """Param-shaped state in plain ``torch.optim`` format of a DTensor param would need its
         global shape, gathered over the other mesh dimensions too, which this format's export
         does not do yet: refused, rather than a state of the local shape saved under the global
@@ -196,7 +164,7 @@ class ShardedState:
 
     # ---- the state API checkpoints use (load_state_dict uses it too) -------------
     @contextlib.contextmanager
-    def _replacing_state(self) -> Iterator[None]:
+    def replacing(self) -> Iterator[None]:
         """Replace this rank's fp32 masters (``fragments[i].param``) or the wrapped
         optimizer's state inside the block. Gathers in flight land first, so none lands
         over what is loaded; on exit the masters are published and gathered, so every
@@ -205,35 +173,35 @@ class ShardedState:
         yield
         self._publish_and_gather()
         self.finish_param_sync()
-        self._rank_state.held = held_on_any_rank(self.local, self.dp, self.params[0].device)
+        self.rank_state.held = held_on_any_rank(self.local, self.dp, self.params[0].device)
 
-    def _fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
+    def fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
         """The wrapped optimizer's state of one of this rank's :attr:`fragments` (AdamW's
         ``exp_avg``, ``exp_avg_sq``, ``step``); empty before its first update."""
         return self.local.state.get(fragment.param, {})
 
-    def _load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
+    def load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
         """Give the wrapped optimizer ``states[i]`` for ``fragments[i]`` (inside
-        :meth:`_replacing_state`); torch.optim's loader casts and moves each tensor as its
+        :meth:`replacing`); torch.optim's loader casts and moves each tensor as its
         own policy wants."""
         if len(states) != len(self.fragments):
-            raise ValueError(f"_load_fragment_states: {len(states)} states for {len(self.fragments)} fragments")
+            raise ValueError(f"load_fragment_states: {len(states)} states for {len(self.fragments)} fragments")
         index_of = {id(p): i for i, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
         loaded = {index_of[id(f.param)]: state for f, state in zip(self.fragments, states) if state}
         self.local.load_state_dict({"state": loaded, "param_groups": self.local.state_dict()["param_groups"]})
 
-    def _load_whole_states(self, states: Sequence[dict[str, Any]]) -> None:
-        """:meth:`_load_fragment_states` of this rank's cut of a whole state
+    def load_whole_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """:meth:`load_fragment_states` of this rank's cut of a whole state
         (:func:`~fxzero.optim.state.state_dict.plain_fragment_states`), whose fp32 masters
-        (``MASTER_KEY``), where it holds them, go into the fragments (inside :meth:`_replacing_state`)."""
+        (``MASTER_KEY``), where it holds them, go into the fragments (inside :meth:`replacing`)."""
         masters = [state.pop(MASTER_KEY, None) for state in states]
-        self._load_fragment_states(states)
+        self.load_fragment_states(states)
         for frag, master in zip(self.fragments, masters):
             if master is not None:
                 frag.param.copy_(master)
 
     @property
-    def state_bytes(self) -> int:
+    def nbytes(self) -> int:
         """Bytes of optimizer state on this rank: wrapped-optimizer state + separate fp32 mains."""
         total = sum(s.main.nbytes for s in self.shards if not s.main_is_param)
         for per_param in self.local.state.values():

@@ -1,0 +1,276 @@
+"""What a :class:`~fxzero.DistributedOptimizer` runs on, built by one function, :func:`build_runtime`.
+
+A step has three communication phases, all on buffers laid out once at construction:
+
+1. **reduce-scatter** (launched during backward when :class:`~fxzero.optim.gradients.ledger.Ledger`
+   says a bucket is ready, finished at the top of ``step()``): each bucket's ``grad_data`` is
+   averaged over ranks into this rank's pre-made shard view of it (:attr:`Runtime.reductions`);
+2. **shard update**: one small all-reduce carries each param's squared grad norm over this rank's
+   fragments and a "got a gradient" flag (:attr:`Runtime.reduced`); then the wrapped ``torch.optim``
+   optimizer (:attr:`Runtime.local`) updates the fp32 main fragments of this rank's shards only
+   (1/dp of the optimizer state per rank), skipping params that got no gradient on any rank and
+   the whole update when the global norm is not finite. Under whole-param ownership
+   (``Config.state_sharding``, :mod:`fxzero.optim.layout.ownership`) a rank's shard holds whole
+   params, and the wrapped optimizer sees them in their own shapes;
+3. **all-gather** (:attr:`Runtime.param_sync`): each bucket's updated param shard is gathered back
+   in place into ``param_data``, which the model's params are views of. With
+   ``Config.mxfp8_param_gather`` the shard is quantized to MXFP8 first and the gather moves codes
+   and scales (optionally landing in the bucket's own grad memory), then each bucket is
+   dequantized into the params right before its first read (:mod:`fxzero.mxfp8.gather`).
+
+Between backward and ``step()`` each managed param's ``.grad`` is a view of its sharded gradient
+(:attr:`Runtime.grad_views`). Before each update the optimizer checks that the params are still
+its views and takes values written into them since into its fp32 masters (:attr:`Runtime.param_watch`).
+Each step gives every rank rank 0's module buffers, as DDP does (:attr:`Runtime.buffer_sync`).
+
+Why one function: it is the one place that reads the :class:`~fxzero.Config` for the runtime;
+every part gets plain values (a flag, a factor) and the parts it needs, at construction (no
+callback is assigned later). Hooks and compiled graphs hold the parts, never the optimizer: when
+the optimizer goes away its hooks go too, or a successor optimizer would see every gradient twice.
+
+``opt.runtime`` is a read-only surface for tests, benchmarks and tools (``opt.runtime.ledger``,
+``opt.runtime.buckets``): its parts may change between releases.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import logging
+import operator
+import weakref
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from . import _torch_compat as compat
+from .compiled import ops
+from .compiled.binding import GraphBinding, OwnerRef
+from .config import Config
+from .mxfp8.gather import Mxfp8Gather
+from .optim.communication.comm import DataParallelGroup, settle
+from .optim.gradients.grad_sync import GradReductions, GradSync
+from .optim.gradients.grad_views import GradViews
+from .optim.gradients.ledger import Ledger
+from .optim.gradients.module_no_sync import install_no_sync
+from .optim.gradients.reduced_grads import ReducedGrads
+from .optim.layout.buffers import Bucket, ParamAndGradBuffer
+from .optim.layout.mesh import MeshParams, local_of
+from .optim.layout.param_table import ParamTable
+from .optim.layout.shards import BucketShard, FragmentTensor, build_shards
+from .optim.params.buffer_sync import BufferSync
+from .optim.params.ddp_guard import refuse_ddp
+from .optim.params.initial_broadcast import broadcast_initial_state
+from .optim.params.param_sync import Gather, ParamSync, PlainGather, Publish
+from .optim.params.param_waits import install_param_waits
+from .optim.params.param_watch import ParamWatch
+from .optim.state.sharded_state import ShardedState
+from .optim.state.state_dict import hyperparameters
+from .optim.update.bucketed_update import updates_param_by_param
+from .optim.update.flat_update import ByBucket, FlatUpdate
+
+__all__ = ["Runtime", "build_runtime"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Runtime:
+    """The parts one layout of a DistributedOptimizer runs on (``opt.runtime``; rebuilt whole by
+    ``add_param_group``). Read-only: the fields are not reassigned; each part keeps its own state."""
+
+    whole_params: bool
+    """Whether each param is owned whole by one rank (``Config.state_sharding``), not split in fragments."""
+    mesh_params: MeshParams
+    """The DTensor params (tensor parallelism) and the mesh dims other than DP they are placed over."""
+    buckets: tuple[Bucket, ...]
+    buffer_sync: BufferSync
+    gather: Gather
+    param_sync: ParamSync
+    ledger: Ledger
+    reductions: GradReductions
+    shards: tuple[BucketShard, ...]
+    fragments: tuple[FragmentTensor, ...]
+    """This rank's pieces of the params, each its slot, where it lies in the param (``where``) and
+    the fp32 master view the wrapped optimizer steps (``param``)."""
+    local: torch.optim.Optimizer
+    """The wrapped optimizer over this rank's fragments."""
+    local_step: Callable[[], Any]
+    """``local.step`` without its step hooks (they run once per step, for the DistributedOptimizer)."""
+    update: FlatUpdate
+    """Runs of adjacent fragments step as one tensor where that gives the same bits (:mod:`fxzero.optim.update.flat_update`)."""
+    publish: Publish
+    by_bucket: Optional[ByBucket]
+    """The bucket-at-a-time step (:mod:`fxzero.optim.update.bucketed_update`), or ``None``."""
+    reduced: ReducedGrads
+    param_watch: ParamWatch
+    grad_views: GradViews
+    grad_sync: GradSync
+    binding: GraphBinding
+    """What compiled graphs call into (:mod:`fxzero.compiled.binding`); dies with the optimizer."""
+    sharded_state: ShardedState
+    """The state API the optimizer delegates to (``state_dict`` and friends, what checkpoints use)."""
+    reuse_grad_buffer: bool
+    """Whether MXFP8 gathers land in the grad buffer (a bucket is landed before its grads are touched)."""
+    teardown: list[weakref.finalize] = dataclasses.field(default_factory=list)
+
+    def zero_grads(self, buffers: Sequence[ParamAndGradBuffer]) -> None:
+        """Zero what backward wrote into the grad buffers and start the next step's bookkeeping."""
+        self.reductions.finish_launched()
+        if self.ledger.written:
+            if self.reuse_grad_buffer:
+                # a bucket whose gather is pending holds gather bytes: landing zeroes it
+                for bucket in self.buckets:
+                    if not self.param_sync.is_pending(bucket.index):
+                        bucket.grad_data.zero_()
+            else:
+                for buffer in buffers:
+                    buffer.grad_data.zero_()
+            self.ledger.zeroed()
+        self.reduced.reset()
+
+    def nbytes(self) -> int:
+        """Bytes of the parts' own scratch: exchange slots, gather rows, param-watch copies."""
+        exchange = self.reductions.exchange.nbytes if self.reductions.exchange is not None else 0
+        return exchange + self.gather.nbytes + self.param_watch.nbytes + self.param_sync.nbytes
+
+    def collectives_per_step(self, dp_size: int) -> dict[str, int]:
+        counts = collections.Counter({"allreduce": 1} if dp_size > 1 else {})
+        if self.reduced.mesh_norms is not None:  # the norms' all-reduce over each other mesh dim
+            counts.update(self.reduced.mesh_norms.collectives_per_step())
+        for part in (self.reductions, self.param_sync, self.buffer_sync):
+            counts.update(part.collectives_per_step())
+        return dict(counts)
+
+    def close(self) -> None:
+        """Remove the hooks and settle the collectives in flight (before a new layout's runtime)."""
+        for teardown in self.teardown:
+            teardown()
+        self.teardown.clear()
+
+
+def build_runtime(
+    owner: torch.optim.Optimizer, config: Config, dp: DataParallelGroup, table: ParamTable, buffers: Sequence[ParamAndGradBuffer],
+    *, mesh_params: MeshParams, module: Optional[torch.nn.Module], optimizer_class: type[torch.optim.Optimizer],
+    kwargs: dict[str, Any], whole_params: bool, first: bool,
+) -> Runtime:  # fmt: skip
+    """Assemble the parts over ``buffers`` and ``table`` for ``owner`` (the DistributedOptimizer:
+    the params point back at it weakly, and its collection tears the hooks down). ``first``: at
+    construction, not for a group added later; module buffers are synced from rank 0 then."""
+    if mesh_params.dtensor_slots:
+        ops.accept_dtensor_params()
+    # Eager reads can only be made to wait through the module's hooks: no module, no overlap.
+    overlap = config.overlap_param_gather and module is not None
+    if config.overlap_param_gather and module is None and dp.size > 1 and first:
+        log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
+    buffer_sync = BufferSync(module, dp, config.broadcast_buffers)
+    if config.init_sync:  # later: the new params start from rank 0's values, the others are already alike
+        broadcast_initial_state(dp, [b.param_data for b in buffers], module if first else None, table.params)
+    elif first:  # DDP syncs buffers before the first forward even without init_sync
+        buffer_sync.broadcast()
+    buckets = tuple(b for buffer in buffers for b in buffer.buckets)
+    described = [table.describe(table.slots(b.params)) for b in buckets]
+    reuse = config.reuse_grad_buf_for_mxfp8_param_ag
+    gather = Mxfp8Gather(buckets, dp, reuse_grad_buffer=reuse) if config.mxfp8_param_gather else PlainGather(buckets, dp)
+    param_sync = ParamSync(buckets, dp, overlap=overlap, gather=gather, described=described)
+    before_grad_write = param_sync.wait if reuse else None  # gather bytes sit in the grad buffer: land a bucket first
+    ledger = Ledger(table, len(buckets), requires_grad=functools.partial(_requires_grad, table.params))
+    reductions = GradReductions(buckets, dp, ledger, described=described, before_grad_write=before_grad_write,
+                                divide_factor=config.gradient_divide_factor)  # fmt: skip
+    shards, fragments = build_shards(buffers, table, dp.rank, separate_mains=config.mxfp8_param_gather)
+    local = _local_optimizer(optimizer_class, kwargs, owner.param_groups, table, fragments)
+    update = FlatUpdate(local, fragments, [table.rows[f.slot].group for f in fragments],
+                        [table.bucket_of_slot[f.slot] for f in fragments], kwargs, bucket_count=len(buckets))  # fmt: skip
+    publish = Publish(param_sync, [shard.main for shard in sorted(shards, key=lambda shard: shard.bucket.index)])
+    stepwise = config.overlap_param_gather_with_optimizer_step and dp.size > 1
+    reduced = ReducedGrads(ledger, reductions, shards, fragments, dp, mesh_params.norms(len(table.params), table.params[0].device),
+                           param_sync.take_written)  # fmt: skip
+    param_watch = ParamWatch(table, shards, gather, dp.rank, ledger.compiled, adopt_copies=not overlap)
+    grad_views = GradViews(table, reduced, param_watch.check, reset=_weakly(owner.zero_grad))
+    grad_sync = GradSync(table.params, ledger, reductions, before_grad_write=before_grad_write, after_backward=grad_views.install,
+                         reset_if_cleared=grad_views.reset_if_cleared, local_grads=mesh_params.dtensor_slots)  # fmt: skip
+    state = ShardedState(dp=dp, table=table, param_groups=owner.param_groups, buffers=buffers, shards=shards, fragments=fragments,
+                         local=local, mesh_params=mesh_params, timeout=config.state_dict_timeout, finish_gathers=param_sync.finish,
+                         publish_and_gather=publish.all)  # fmt: skip
+    runtime = Runtime(
+        whole_params=whole_params, mesh_params=mesh_params, buckets=buckets, buffer_sync=buffer_sync, gather=gather,
+        param_sync=param_sync, ledger=ledger, reductions=reductions, shards=tuple(shards), fragments=tuple(fragments), local=local,
+        local_step=compat.unhooked_step(local), update=update, publish=publish,
+        by_bucket=_by_bucket(stepwise, optimizer_class, param_sync, publish), reduced=reduced, param_watch=param_watch,
+        grad_views=grad_views, grad_sync=grad_sync, binding=GraphBinding(table, ledger, grad_sync, param_sync), sharded_state=state,
+        reuse_grad_buffer=reuse,
+    )
+    _attach(owner, runtime, table, module)
+    return runtime
+
+
+def _local_optimizer(
+    optimizer_class: type[torch.optim.Optimizer], kwargs: dict[str, Any], groups: Sequence[dict[str, Any]],
+    table: ParamTable, fragments: Sequence[FragmentTensor],
+) -> torch.optim.Optimizer:  # fmt: skip
+    local_groups = [hyperparameters(group) | {"params": []} for group in groups]
+    for frag in fragments:
+        local_groups[table.rows[frag.slot].group]["params"].append(frag.param)
+    return optimizer_class(local_groups, **kwargs)
+
+
+def _by_bucket(stepwise: bool, optimizer_class: type, param_sync: ParamSync, publish: Publish) -> Optional[ByBucket]:
+    """Whether the step updates one bucket at a time, launching each bucket's gather as soon as
+    its shard is done (:mod:`fxzero.optim.update.bucketed_update`): when there are gathers
+    (``stepwise``) and the wrapped class updates each param on its own."""
+    if not stepwise:
+        return None
+    if not updates_param_by_param(optimizer_class):
+        log.info("fxzero: %s may couple params in its step: every shard is updated before the gathers start", optimizer_class.__name__)
+        return None
+    return ByBucket(param_sync.order, publish)
+
+
+def _attach(owner: torch.optim.Optimizer, runtime: Runtime, table: ParamTable, module: Optional[torch.nn.Module]) -> None:
+    """Point the params at ``owner``, install the hooks, and tie their removal to ``owner``'s life."""
+    for slot, param in enumerate(table.params):
+        param._fxzero_owner = OwnerRef(owner)
+        if slot in runtime.mesh_params.dtensor_slots:  # compiled graphs see its local tensor
+            local = local_of(param)
+            local._fxzero_owner, local._fxzero_slot = OwnerRef(owner), slot
+    teardown = runtime.teardown
+    # runs when the optimizer is collected and at interpreter exit: no collective dies mid-flight
+    teardown.append(weakref.finalize(owner, _settle_in_flight, runtime.reductions, runtime.param_sync))
+    runtime.grad_sync.install_hooks()
+    teardown.append(weakref.finalize(owner, runtime.grad_sync.remove_hooks))
+    teardown.append(weakref.finalize(owner, runtime.grad_views.remove))
+    if module is not None:
+        handles = [*install_param_waits(module, table, runtime.param_sync), module.register_forward_pre_hook(refuse_ddp)]
+        teardown.append(weakref.finalize(owner, _remove_handles, handles))
+        # Accelerate's and Trainer's accumulation look for model.no_sync
+        teardown.append(weakref.finalize(owner, install_no_sync(module, runtime.grad_sync.no_sync)))
+
+
+def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:
+    settle(reductions.pending_works() + param_sync.pending_works())
+
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _requires_grad(params: Sequence[torch.Tensor]) -> bytes:
+    """Each param's ``requires_grad``, in one C-level pass (what the ledger asks per backward)."""
+    return bytes(map(_REQUIRES_GRAD, params))
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference to its object (a no-op once it is gone)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
+
+
+def _remove_handles(handles: list[Any]) -> None:
+    for handle in handles:
+        handle.remove()
