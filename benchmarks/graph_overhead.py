@@ -51,6 +51,7 @@ from fxzero.optim.gradients.grad_views import GradViews
 from fxzero.optim.gradients.ledger import Ledger
 from fxzero.optim.params.param_watch import ParamWatch
 from fxzero.optim.gradients.reduced_grads import ReducedGrads
+from fxzero.runtime import Runtime
 
 
 class Block(nn.Module):
@@ -182,7 +183,7 @@ TIMED = (
     ("> the global grad norm", ReducedGrads, "total_norm"),
     ("> the checks of the params", ParamWatch, "check"),
     ("> collecting the .grad views", GradViews, "collect"),
-    ("zeroing the grad buffer (in step() and zero_grad())", fxzero.DistributedOptimizer, "_zero_grads"),
+    ("zeroing the grad buffer (in step() and zero_grad())", Runtime, "zero_grads"),
     ("zero_grad()", fxzero.DistributedOptimizer, "zero_grad"),
 )
 """(label, owner, attribute): the calls ``--timers`` clocks; ``>`` marks a part of the row above."""
