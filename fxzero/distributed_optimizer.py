@@ -51,7 +51,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from . import _torch_compat as compat
-from .compiled import ops
+from . import torch_log
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.state.added_groups import carried_over, pending_gradients
@@ -155,6 +155,9 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
     def _build(self, planned: GroupPlan, module: Optional[torch.nn.Module], *, first: bool) -> None:
         """Lay out the buffers and assemble the runtime over ``planned``: at construction
         (``first``) and again for a param group added later (:meth:`add_param_group`)."""
+        from .compiled import ops  # defines the fxzero:: ops its hooks and compiled graphs call: on first use, not on import
+
+        torch_log.register()
         params, layout = planned.params, planned.layout
         self._consolidated = None  # a state gathered for the layout before an added group
         self.mesh_params = planned.mesh_params
