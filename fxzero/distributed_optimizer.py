@@ -236,7 +236,7 @@ class DistributedOptimizer(ShardedState, torch.optim.Optimizer):
             param._fxzero_owner = OwnerRef(self)
             if slot in self.mesh_params.dtensor_slots:  # compiled graphs see its local tensor
                 local = local_of(param)
-                local._fxzero_owner, local._fxzero_slot = OwnerRef(self), slot
+                local._fxzero_owner = OwnerRef(self)
         # runs when the optimizer is collected and at interpreter exit: no collective dies mid-flight
         self._teardown.append(weakref.finalize(self, _settle_in_flight, self.reductions, self.param_sync))
         self.grad_sync.install_hooks()
