@@ -207,3 +207,15 @@ def test_the_version_is_one_and_the_console_script_prints_it() -> None:
     assert script is not None, "pip install -e . puts the fxzero console script on PATH"
     run = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=120, check=True)
     assert run.stdout.strip() == f"fxzero {version}"
+
+
+def test_no_module_keeps_a_counter_of_the_process() -> None:
+    """Graphs were once numbered by three module-level counters that disagreed; a compiled
+    graph is named by its Dynamo compile id now (``fxzero/compiled/graph_id.py``)."""
+    counters = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+            if isinstance(value, ast.Call) and ast.unparse(value.func).endswith(("itertools.count", "count")):
+                counters.append(f"{path.relative_to(PACKAGE)}:{node.lineno}: {ast.unparse(node)}")
+    assert counters == []
