@@ -217,7 +217,7 @@ def test_explain_leaves_a_training_optimizer_as_found_or_refuses_naming_its_grad
     _assert_as_found(opt, found)
     compiled(torch.randn(2, 4)).sum().backward()
     found = _found(opt)
-    with pytest.raises(RuntimeError, match=r"holds gradients not yet stepped \(0\.weight, 0\.bias, 2\.weight, 2\.bias \(4 params"):
+    with pytest.raises(RuntimeError, match=r"holds gradients not yet stepped, of 0\.weight, 0\.bias, 2\.weight, 2\.bias \(4 params"):
         fxzero.explain(model, torch.randn(2, 4), optimizer=opt, inner_compiler="eager")
     _assert_as_found(opt, found)
 

@@ -104,7 +104,7 @@ def _refuse_pending_gradients(optimizer: Any) -> None:
     held = [slot for slot, p in enumerate(table.params) if p.grad is not None or (ledger.written and ledger.presence[slot])]
     if held:
         raise RuntimeError(
-            f"fxzero.explain: the optimizer holds gradients not yet stepped ({table.describe(held)}); explain "
+            f"fxzero.explain: the optimizer holds gradients not yet stepped, of {table.describe(held)}; explain "
             "runs a backward of its own into the same buffers. Call it before the backward, or after "
             "optimizer.step() or optimizer.zero_grad()."
         )
