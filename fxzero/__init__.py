@@ -13,9 +13,9 @@ from .version import __version__
 from .optim import CollectiveError
 
 # Importing fxzero defines and registers nothing (no custom op, no torch log, no exit
-# handler): the fxzero:: ops and the ``TORCH_LOGS`` name come with the first optimizer or
-# compile (:mod:`fxzero.first_use`). The tools below stand on more than training needs and
-# are imported on first use, each from its module.
+# handler): the fxzero:: ops (fxzero/compiled/ops.py) and the fxzero torch log
+# (fxzero/torch_log.py) come with the first optimizer or compile. The tools below stand on
+# more than training needs and are imported on first use, each from its module.
 _LAZY = {
     "CheckpointError": "checkpoint",
     "latest_checkpoint": "checkpoint",
