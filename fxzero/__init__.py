@@ -7,43 +7,42 @@ as a torch.compile backend.
 from typing import Any
 
 from . import mxfp8  # noqa: F401
-from .compiled import ops  # noqa: F401  defines the fxzero:: custom ops that compiled graphs call
-from ._torch_compat import register_torch_log
 from .config import Config, default_bucket_size
-from .explainer import explain
-from .parity import ParityReport, parity
 from .distributed_optimizer import DistributedOptimizer, StepResult
 from .version import __version__
 from .optim import CollectiveError
 
-
-def _register_torch_logs() -> None:
-    """``TORCH_LOGS="fxzero"`` shows what each compile inserted, for which bucket (INFO);
-    ``"+fxzero"`` adds each pass's time and node count (DEBUG). Torch already resolves
-    the name as a module path when it parses ``TORCH_LOGS``; registering it as well
-    makes ``fxzero`` one of torch's registered logs, so ``torch._logging.set_logs()``
-    and torch's later re-inits configure it like torch's own components."""
-    register_torch_log("fxzero", "fxzero")
-
-
-_register_torch_logs()
-
-_CHECKPOINT = frozenset({"CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"})
+# Importing fxzero defines and registers nothing (no custom op, no torch log, no exit
+# handler): the fxzero:: ops (fxzero/compiled/ops.py) and the fxzero torch log
+# (fxzero/torch_log.py) come with the first optimizer or compile. The tools below stand on
+# more than training needs and are imported on first use, each from its module.
+_LAZY = {
+    "CheckpointError": "checkpoint",
+    "latest_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "explain": "explainer",
+    "ParityReport": "parity_check",
+    "parity": "parity_check",
+}
 
 
 def __getattr__(name: str) -> Any:
-    """The checkpoint API, imported on first use: it stands on ``torch.distributed.checkpoint``
-    (and through it ``torch.distributed.tensor``), whose import cost every ``import fxzero``
-    ~0.7 s on this machine, also in the processes that never save."""
-    if name in _CHECKPOINT:
-        from . import checkpoint
+    """The checkpoint API, :func:`explain` and :func:`parity`, imported on first use: the
+    checkpoint API stands on ``torch.distributed.checkpoint`` (and through it
+    ``torch.distributed.tensor``), whose import cost every ``import fxzero`` ~0.7 s on this
+    machine, also in the processes that never save; parity brings the multi-rank test
+    harness (:mod:`fxzero.testing`), which a training process has no use for."""
+    module = _LAZY.get(name)
+    if module is not None:
+        import importlib
 
-        return getattr(checkpoint, name)
+        return getattr(importlib.import_module(f".{module}", __name__), name)
     raise AttributeError(f"module 'fxzero' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _CHECKPOINT)
+    return sorted(set(globals()) | set(_LAZY))
 
 
 # The user API, what docs/api.md documents. The runtime's parts (layout plans, buffers,

@@ -17,6 +17,7 @@ from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 import torch.fx as fx
 
 from . import _torch_compat as compat
+from . import torch_log
 from .dump import Recorder
 from .graph_compiler import GraphCompiler
 
@@ -64,6 +65,10 @@ def fxzero_backend(
     """The ``torch.compile`` backend entry point (registered as ``"fxzero"``)."""
     if mode is not None:
         raise ValueError(f"fxzero does not take torch.compile(mode={mode!r}); pass options={{'inner_compiler': ...}}")
+    # The ops first: a graph this compile loads from Inductor's or AOTAutograd's cache calls them.
+    from .compiled import ops  # noqa: F401  defines the fxzero:: ops (on first use, not on import)
+
+    torch_log.register()
     opts = BackendOptions.from_mapping(options)
     inductor = opts.inner_compiler == "inductor"
     if inductor:  # as torch.compile's Inductor backend does, before AOTAutograd

@@ -41,7 +41,7 @@ import torch
 from .config import Config
 from .help_text import plain_text
 from .version import __version__
-from .parity import cli as parity_cli
+from .parity_check import cli as parity_cli
 from .target import TargetError, load_target
 from .explainer.timeline import PlottingMissing
 

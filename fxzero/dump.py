@@ -7,7 +7,8 @@ or a hang. Every compile therefore says what it inserted (an INFO line on the
 ``fxzero`` logger: ``TORCH_LOGS="fxzero"``), and on request keeps the evidence:
 
 - ``options={"dump_dir": DIR}`` (or ``FXZERO_DUMP_DIR=DIR``; the option wins) writes,
-  per Dynamo graph ``{id}`` and AOT graph ``{kind}`` (``joint``: the joint forward+backward
+  per Dynamo graph ``{id}`` (its :class:`~fxzero.compiled.graph_id.GraphId`, Dynamo's compile
+  id with ``_`` for ``/``: ``0_0``) and AOT graph ``{kind}`` (``joint``: the joint forward+backward
   graph before partitioning, where the bucket launches go in; ``forward``, ``backward``,
   ``inference``: the partitioned graphs)::
 
@@ -16,12 +17,14 @@ or a hang. Every compile therefore says what it inserted (an INFO line on the
       {id}_{kind}_after.py             after all of fxzero's passes
       {id}_{kind}.diff                 unified diff, one hunk set per pass
       {id}_summary.json                buckets, inserted nodes, graph ids (this graph)
-      summary.json                     index of every graph dumped by this process
+      summary.json                     index of the graphs dumped here (a graph replaces an
+                                       earlier one of the same id: a new process, or after
+                                       torch.compiler.reset(), starts the ids over)
 
   The ``.py`` files import-load (each starts with ``import torch``). Ranks of a
   multi-rank job write to ``DIR/rank{r}/`` so they never overwrite each other.
 - under ``TORCH_TRACE`` the same texts go to ``torch._logging.trace_structured`` as
-  artifacts named like the files (``fxzero_000_forward_after``, ...), so tlparse shows
+  artifacts named like the files (``fxzero_0_0_forward_after``, ...), so tlparse shows
   them next to Dynamo's and Inductor's graphs for the same compile id.
 
 Graph texts are only rendered when a dump directory or a trace handler wants them.
@@ -31,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import itertools
 import json
 import logging
 import os
@@ -44,6 +46,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from . import _torch_compat as compat
+from .compiled.graph_id import GraphId
 from .passes.matchers import LAUNCH_META, WAIT_META
 
 __all__ = [
@@ -60,8 +63,6 @@ log = logging.getLogger(__name__)
 DUMP_DIR_ENV = "FXZERO_DUMP_DIR"
 _OPS = {LAUNCH_META: "fxzero::grads_ready", WAIT_META: "fxzero::wait_params"}
 _HEADER = "import torch\nimport torch.fx._pytree as fx_pytree  # joint graphs flatten their inputs with it\nfrom math import inf, nan\nfrom torch import device\n\n"
-_graph_ids = itertools.count()
-_index: dict[Path, dict[int, dict[str, Any]]] = {}  # dump dir -> graph id -> index entry
 Recorder = Callable[["GraphDumper", str, fx.GraphModule], None]
 """``recorder(dumper, kind, gm)``: sees each graph fxzero's passes finish, for one compile
 (the backend's ``recorder`` option; :func:`fxzero.explain` records through it)."""
@@ -161,16 +162,16 @@ class GraphDumper:
         names: Sequence[str] = (),
         inputs: Sequence[Any] = (),
         recorder: Optional[Recorder] = None,
+        graph_id: Optional[GraphId] = None,
     ) -> None:
-        self.graph_id = next(_graph_ids)
+        self.graph_id = graph_id if graph_id is not None else GraphId.of_this_compile()
+        """The graph's one id (:mod:`fxzero.compiled.graph_id`): its file names, log lines and explain's name."""
         self.recorder = recorder
         self.dir = resolve_dump_dir(dump_dir)
         # a record must keep neither optimizers nor params alive
         self._owners = [weakref.ref(owner) for owner in owners]
         self._params = {m.position: weakref.ref(inputs[m.position]) for m in managed} if inputs else {}
         self.managed, self.names = list(managed), list(names)
-        compile_id = compat.compile_id()
-        self.compile_id, self.compile_name = compile_id, str(compile_id) if compile_id is not None else None
         self.parts: dict[str, _Part] = {}
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -187,11 +188,10 @@ class GraphDumper:
 
     @property
     def stem(self) -> str:
-        return f"{self.graph_id:03d}"
+        return self.graph_id.stem
 
-    def _title(self, kind: str, stage: str, *, compile_id: bool = True) -> str:
-        where = f" (Dynamo compile {self.compile_name})" if self.compile_name and compile_id else ""
-        return f"fxzero graph {self.stem} {kind}{where}: {stage}"
+    def _title(self, kind: str, stage: str) -> str:
+        return f"fxzero graph {self.graph_id} {kind}: {stage}"
 
     def around(
         self,
@@ -227,7 +227,7 @@ class GraphDumper:
         what = [f"reduce-scatter launches for buckets {', '.join(launches)}"] if launches else []
         what += [f"all-gather waits for buckets {', '.join(waits)}"] if waits else []
         changed = f"{part.nodes_before} -> {part.nodes_after} nodes"
-        return f"{self._title(part.kind, changed, compile_id=False)}; {'; '.join(what) or 'nothing inserted'}"
+        return f"{self._title(part.kind, changed)}; {'; '.join(what) or 'nothing inserted'}"
 
     # ---- outputs ------------------------------------------------------------------
     def _emit(self, part: _Part) -> None:
@@ -240,29 +240,38 @@ class GraphDumper:
                 (self.dir / name).write_text(text)
             self._write_json(f"{self.stem}_summary.json", summary)
             self._write_index()
-            log.info("%s", self._title(part.kind, f"dumped to {self.dir / (prefix + '_after.py')}", compile_id=False))
-        for name, text in files.items():  # artifact names: 000_forward_after, 000_forward_diff, ...
+            log.info("%s", self._title(part.kind, f"dumped to {self.dir / (prefix + '_after.py')}"))
+        for name, text in files.items():  # artifact names: 0_0_forward_after, 0_0_forward_diff, ...
             self._trace(name.removesuffix(".py").replace(".", "_"), "string", text)
         self._trace(f"{self.stem}_summary", "json", summary)
 
     def _trace(self, name: str, encoding: str, payload: Any) -> None:
-        compat.trace_artifact(f"fxzero_{name}", encoding, payload, self.compile_id)
+        compat.trace_artifact(f"fxzero_{name}", encoding, payload, self.graph_id.compile_id)
 
     def _write_json(self, name: str, value: Any) -> None:
         assert self.dir is not None
         (self.dir / name).write_text(json.dumps(value, indent=1) + "\n")
 
     def _write_index(self) -> None:
+        """Add this graph to the directory's index. The index file is the only record of
+        what was dumped there (fxzero keeps none in the process): read, updated, written."""
         assert self.dir is not None
-        entries = _index.setdefault(self.dir.resolve(), {})
-        entries[self.graph_id] = {
-            "graph_id": self.graph_id,
-            "compile_id": self.compile_name,
+        entry = {
+            "graph_id": self.graph_id.name,
+            "stem": self.stem,
             "kinds": sorted(self.parts),
             "buckets": sorted({(m.owner, m.bucket) for m in self.managed}),
             "summary": f"{self.stem}_summary.json",
         }
-        self._write_json("summary.json", {"graphs": [entries[i] for i in sorted(entries)]})
+        index = self.dir / "summary.json"
+        try:
+            entries = json.loads(index.read_text())["graphs"]
+        except (OSError, ValueError, KeyError, TypeError):  # none yet, or not one of ours
+            entries = []
+        ours = [isinstance(e, dict) and e.get("graph_id") == entry["graph_id"] for e in entries]
+        # in place: a graph's backward is dumped when it first runs, maybe after other graphs
+        entries = [entry if mine else e for e, mine in zip(entries, ours)] if any(ours) else [*entries, entry]
+        self._write_json("summary.json", {"graphs": entries})
 
     # ---- the JSON summary -----------------------------------------------------------
     def summary(self) -> dict[str, Any]:
@@ -271,8 +280,7 @@ class GraphDumper:
         and the nodes inserted, as plain JSON data."""
         ranked = dist.is_available() and dist.is_initialized()
         return {
-            "graph_id": self.graph_id,
-            "compile_id": self.compile_name,
+            "graph_id": self.graph_id.name,
             "rank": dist.get_rank() if ranked else 0,
             "world_size": dist.get_world_size() if ranked else 1,
             "params": [

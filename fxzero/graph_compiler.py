@@ -24,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import itertools
 import logging
 import os
 import warnings
@@ -38,6 +37,7 @@ from functorch.compile import default_partition, make_boxed_func
 from . import _torch_compat as compat
 from . import dump
 from .compiled.binding import counting_forward, owner_of
+from .compiled.graph_id import GraphId
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
 from .passes.bucket_reduce_scatter import ManagedParam
 from .passes.matchers import is_grads_ready
@@ -46,8 +46,6 @@ from .passes.param_gather_wait import hoist_waits_above_readers, params_returned
 __all__ = ["GraphCompiler", "managed_params"]
 
 log = logging.getLogger(__name__)
-
-_graph_ids = itertools.count()
 
 Passes = Callable[..., fx.GraphModule]
 
@@ -64,6 +62,7 @@ class GraphCompiler:
         hooked: frozenset[int] = frozenset(),
         inductor: Optional[compat.InductorCompilers],
         dumper: Optional[dump.GraphDumper],
+        graph_id: GraphId,
     ) -> None:
         flat, self.num_inputs = compat.flat_input_positions(example_inputs)
         self.owners = len(forward_waits)
@@ -91,7 +90,8 @@ class GraphCompiler:
         """Params no optimizer managed at compile time: one built later has no wait in this
         graph (:func:`~fxzero.compiled.binding.counting_forward` checks for that on every call)."""
         self.inductor, self.dumper = inductor, dumper
-        self.id = next(_graph_ids)
+        self.id = graph_id
+        """The graph's one id (:mod:`fxzero.compiled.graph_id`), its dump's and explain's too."""
         self.delivered: frozenset[int] = frozenset()
         """Forward input positions whose gradients the backward hands to fxzero."""
 
@@ -107,16 +107,17 @@ class GraphCompiler:
     ) -> "GraphCompiler":
         """Find the managed params among ``example_inputs``; build a dumper only when a
         dump directory, ``TORCH_TRACE``, the ``fxzero`` INFO log or a recorder wants one."""
+        graph_id = GraphId.of_this_compile()
         owners, managed, forward_waits = managed_params(example_inputs)
         if not managed:
-            _warn_if_unmanaged(example_inputs)
+            _warn_if_unmanaged(example_inputs, graph_id)
         names = compat.dynamo_input_names(gm)
         hooked = _hooked_positions(example_inputs, managed, names)
         dumper = None
         if recorder is not None or dump.resolve_dump_dir(dump_dir) is not None or compat.tracing() or dump.log.isEnabledFor(logging.INFO):
-            dumper = dump.GraphDumper(dump_dir, owners, managed, names, example_inputs, recorder)
+            dumper = dump.GraphDumper(dump_dir, owners, managed, names, example_inputs, recorder, graph_id)
         inductor = compat.InductorCompilers(gm, len(example_inputs)) if inner_compiler == "inductor" else None
-        return cls(example_inputs, managed, forward_waits, hooked=frozenset(hooked), inductor=inductor, dumper=dumper)
+        return cls(example_inputs, managed, forward_waits, hooked=frozenset(hooked), inductor=inductor, dumper=dumper, graph_id=graph_id)
 
     # ---- AOTAutograd's hooks ---------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
@@ -200,10 +201,10 @@ def _hooked_positions(example_inputs: Sequence[Any], managed: Sequence[ManagedPa
     return hooked
 
 
-def _warn_if_unmanaged(example_inputs: Sequence[Any]) -> None:
+def _warn_if_unmanaged(example_inputs: Sequence[Any], graph_id: GraphId) -> None:
     if any(isinstance(x, torch.nn.Parameter) and x.requires_grad for x in example_inputs):
         warnings.warn(
-            "fxzero: this compiled graph's trainable params are not managed by any fxzero.DistributedOptimizer; "
+            f"fxzero: the trainable params of compiled graph {graph_id} are not managed by any fxzero.DistributedOptimizer; "
             "it compiles and trains as plain torch.compile (gradients go to param.grad)",
             stacklevel=4,
         )

@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import _torch_compat as compat
-from .compiled import ops
+from . import torch_log
 from .compiled.binding import GraphBinding, OwnerRef
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
@@ -158,6 +158,9 @@ def build_runtime(
     """Assemble the parts over ``buffers`` and ``table`` for ``owner`` (the DistributedOptimizer:
     the params point back at it weakly, and its collection tears the hooks down). ``first``: at
     construction, not for a group added later; module buffers are synced from rank 0 then."""
+    from .compiled import ops  # defines the fxzero:: ops its hooks and compiled graphs call: on first use, not on import
+
+    torch_log.register()
     if mesh_params.dtensor_slots:
         ops.accept_dtensor_params()
     # Eager reads can only be made to wait through the module's hooks: no module, no overlap.
@@ -233,7 +236,7 @@ def _attach(owner: torch.optim.Optimizer, runtime: Runtime, table: ParamTable, m
         param._fxzero_owner = OwnerRef(owner)
         if slot in runtime.mesh_params.dtensor_slots:  # compiled graphs see its local tensor
             local = local_of(param)
-            local._fxzero_owner, local._fxzero_slot = OwnerRef(owner), slot
+            local._fxzero_owner = OwnerRef(owner)  # the param table maps it to its slot
     teardown = runtime.teardown
     # runs when the optimizer is collected and at interpreter exit: no collective dies mid-flight
     teardown.append(weakref.finalize(owner, _settle_in_flight, runtime.reductions, runtime.param_sync))

@@ -201,6 +201,11 @@ def get_pool(world_size: int) -> RankPool:
     """A live pool of ``world_size`` ranks, reused across calls (restarted after a failure)."""
     pool = _POOLS.get(world_size)
     if pool is None or pool.closed:
+        if not _POOLS:
+            # Stop idle ranks politely at exit (``fxzero.parity`` leaves its pool for the next
+            # call): left to multiprocessing's own exit handler, their queues' semaphores leak
+            # with a warning. Registered with the first pool, not on import; close_pools unregisters.
+            atexit.register(close_pools)
         pool = _POOLS[world_size] = RankPool(world_size)
     return pool
 
@@ -219,9 +224,5 @@ def close_pools() -> None:
     for pool in pools:
         pool._reap(deadline)
     _POOLS.clear()
-
-
-# Stop idle ranks politely at exit (``fxzero.parity`` leaves its pool for the next call):
-# left to multiprocessing's own exit handler, their queues' semaphores leak with a warning.
-atexit.register(close_pools)
+    atexit.unregister(close_pools)
 

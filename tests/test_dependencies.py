@@ -32,17 +32,39 @@ def _import_fxzero(prelude: str = "", then: str = "") -> subprocess.CompletedPro
 _LOADED_WHEN_USED = ("torch._dynamo", "torch._inductor", "torch.distributed.tensor", "torch.distributed.checkpoint", "lightning")
 
 
+_HARNESS_AND_TOOLS = ("fxzero.testing", "fxzero.parity_check", "fxzero.explainer", "fxzero.compiled.ops")
+_STATE = (  # what fxzero has loaded, defined and registered so far
+    f"[m for m in {_HARNESS_AND_TOOLS!r} if m in sys.modules], "
+    "[op for op in ('wait_params', 'grads_ready', 'module_entered') if hasattr(torch.ops.fxzero, op)], "
+    "log_registry.is_log('fxzero'), logging.getLogger('fxzero').isEnabledFor(logging.INFO)"
+)
+
+
 def test_importing_fxzero_prints_nothing_and_loads_what_it_uses_only_when_used() -> None:
     """Nor does it import Dynamo, Inductor, DTensor or DCP (2.0 of the 3.8 s an ``import fxzero``
     took on this machine; it now takes what ``import torch`` does, ~1.8 s): ``torch.compile``, an
     optimizer over DTensor params and the checkpoint functions import them when used. A training
     process gains little from it: building any torch.optim optimizer imports Dynamo (torch.optim's
-    ``add_param_group`` is wrapped by ``torch._disable_dynamo``), which the last line shows."""
-    then = (f"; import sys; print([m for m in {_LOADED_WHEN_USED!r} if m in sys.modules]); fxzero.save_checkpoint; "
-            "import torch; torch.optim.SGD([torch.zeros(1, requires_grad=True)]); print('torch._dynamo' in sys.modules)")
-    result = _import_fxzero(then=then)
+    ``add_param_group`` is wrapped by ``torch._disable_dynamo``), which the last line shows.
+
+    Nor does it have side effects: no test harness, explain or parity loaded, no custom op
+    defined, no exit handler and no torch log registered. The first optimizer (or compile)
+    defines the ops and registers the ``fxzero`` log, which ``torch._logging.set_logs`` then
+    sets. (``TORCH_LOGS=fxzero`` needs no registration: torch resolves the name as a module,
+    importing fxzero's packages itself; ``tests/test_cli.py`` runs with it.)"""
+    prelude = "import atexit, logging, sys, torch; from torch._logging._internal import log_registry; handlers = atexit._ncallbacks(); "
+    then = (f"; print(atexit._ncallbacks() - handlers, {_STATE}); "
+            f"print([m for m in {_LOADED_WHEN_USED!r} if m in sys.modules]); fxzero.save_checkpoint; "
+            "torch.optim.SGD([torch.zeros(1, requires_grad=True)]); print('torch._dynamo' in sys.modules); "
+            "fxzero.DistributedOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1); "
+            f"torch._logging.set_logs(modules={{'fxzero': logging.INFO}}); print({_STATE})")
+    result = _import_fxzero(prelude, then)
     assert result.returncode == 0 and result.stderr == "", result.stderr
-    assert result.stdout == "[]\nTrue\n", f"import fxzero imported {result.stdout.splitlines()[0]}"
+    effects, loaded, dynamo, used = result.stdout.splitlines()
+    assert effects == "0 [] [] False False", f"import fxzero: exit handlers added, loaded, ops, log registered, enabled: {effects}"
+    assert loaded == "[]", f"import fxzero imported {loaded}"
+    assert dynamo == "True"
+    assert used == "['fxzero.compiled.ops'] ['wait_params', 'grads_ready', 'module_entered'] True True", used
 
 
 def test_numpy_which_torch_warns_without_is_a_declared_dependency() -> None:

@@ -45,7 +45,8 @@ def test_dump_dir_files_exist_load_and_summarize_the_buckets(tmp_path: Path) -> 
     _train_once(dump_dir=str(tmp_path))
     index = json.loads((tmp_path / "summary.json").read_text())
     (entry,) = index["graphs"]
-    stem = f"{entry['graph_id']:03d}"
+    stem = entry["stem"]
+    assert stem == entry["graph_id"].replace("/", "_") and re.fullmatch(r"\d+_\d+", stem), entry
     assert entry["kinds"] == ["backward", "forward", "joint"] and entry["buckets"] == [[0, 0], [0, 1]]
     for kind in ("joint", "forward", "backward"):
         for stage in ("before", "after"):
@@ -128,7 +129,7 @@ def test_trace_structured_artifacts_and_no_log_lines_without_torch_logs(capfd: p
         _train_once()
     finally:
         trace_log.removeHandler(handler)
-    (stem,) = {re.match(r"fxzero_\d+", name).group(0) for name in handler.seen}  # type: ignore[union-attr]
+    (stem,) = {re.match(r"fxzero_\d+_\d+", name).group(0) for name in handler.seen}  # type: ignore[union-attr]
     for kind in ("joint", "forward", "backward"):
         assert handler.seen[f"{stem}_{kind}_after"][0] == "string"
         assert "torch.ops.fxzero" in handler.seen[f"{stem}_{kind}_after"][1]
@@ -140,6 +141,46 @@ def test_trace_structured_artifacts_and_no_log_lines_without_torch_logs(capfd: p
     # TORCH_LOGS is not set in this process: fxzero's INFO lines stay silent.
     assert "fxzero graph" not in capfd.readouterr().err
     assert torch._logging._internal.log_registry.is_log("fxzero")
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_one_graph_id_names_the_dump_files_the_log_lines_the_warnings_and_explain(tmp_path: Path) -> None:
+    """A graph has one id (Dynamo's compile id, fxzero keeps no counter): its dump files and
+    index entry, its INFO lines, fxzero's warnings about it and explain's "graph N" all say it."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    compiled = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager", "dump_dir": str(tmp_path / "run")})
+    logger, lines = logging.getLogger("fxzero.dump"), _Lines()  # on the logger itself: torch's log setup may stop propagation
+    level = logger.level
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        with pytest.warns(UserWarning) as caught:
+            compiled(torch.randn(2, 4))  # no optimizer yet: the graph compiles unmanaged
+            opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, module=model)
+            compiled(torch.randn(2, 4)).sum().backward()  # read by an optimizer built after it compiled
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+    (entry,) = json.loads((tmp_path / "run" / "summary.json").read_text())["graphs"]
+    graph = entry["graph_id"]
+    assert (tmp_path / "run" / f"{graph.replace('/', '_')}_forward_after.py").exists()
+    messages = [str(w.message) for w in caught]
+    assert any(f"the trainable params of compiled graph {graph} are not managed" in m for m in messages), messages
+    assert any(f"compiled graph {graph} read params of a DistributedOptimizer before the optimizer existed" in m for m in messages), messages
+    assert any(line.startswith(f"fxzero graph {graph} forward: ") for line in lines.lines), lines.lines
+    opt.zero_grad()
+    text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt, inner_compiler="eager", dump_dir=tmp_path / "explain")
+    (entry,) = json.loads((tmp_path / "explain" / "summary.json").read_text())["graphs"]
+    assert re.findall(r"^graph (\S+): ", text, re.M) == [entry["graph_id"]] and entry["graph_id"] != graph, text
 
 
 def test_no_dumper_is_built_unless_something_asks_for_one(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

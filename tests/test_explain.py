@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -38,17 +39,37 @@ class _Broken(torch.nn.Module):
         return self.fc2(x)
 
 
-def _assert_untouched(model: torch.nn.Module, opt: fxzero.DistributedOptimizer, before: list[torch.Tensor]) -> None:
-    for p, old in zip(model.parameters(), before):
-        assert torch.equal(p.detach(), old)
-        assert torch.count_nonzero(p.main_grad) == 0
-    assert not any(opt.runtime.ledger.launched)
+def _found(opt: fxzero.DistributedOptimizer) -> dict[str, Any]:
+    """What explain must leave as it found it: params, grads (``.grad`` and the buffers),
+    the wrapped optimizer's state and the readiness ledger's."""
+    return {
+        "params": [p.detach().clone() for p in opt.param_table.params],
+        "grads": [p.grad for p in opt.param_table.params],
+        "main_grads": [p.main_grad.clone() for p in opt.param_table.params],
+        "state": opt.state_dict(),
+        "ledger": opt.runtime.ledger.snapshot(),
+    }
+
+
+def _assert_as_found(opt: fxzero.DistributedOptimizer, found: dict[str, Any]) -> None:
+    now = _found(opt)
+    assert all(map(torch.equal, now.pop("params"), found["params"]))
+    assert all(map(torch.equal, now.pop("main_grads"), found["main_grads"]))
+    torch.testing.assert_close(now.pop("state"), found["state"], rtol=0, atol=0)
+    assert now == {"grads": found["grads"], "ledger": found["ledger"]}
+
+
+def _named_by_order(text: str) -> str:
+    """``text`` with each graph id (``12/0``) replaced by its order of appearance (``G0``)."""
+    ids: dict[str, str] = {}
+    return re.sub(r"\b\d+/\d+\b", lambda m: ids.setdefault(m.group(0), f"G{len(ids)}"), text)
 
 
 class TestExplain(TestCase):
     def test_mlp_golden_and_no_side_effects(self) -> None:
+        torch._dynamo.reset()  # graphs are named by Dynamo's compile ids: 0/0 from here
         model, opt = _mlp_and_optimizer()
-        before = [p.detach().clone() for p in model.parameters()]
+        found = _found(opt)
         text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt, inner_compiler="eager", full=True)
         self.assertExpectedInline(text, """\
 fxzero explain: Sequential, world size 1, bucket size 32, inner compiler eager, overlap_param_gather on
@@ -57,11 +78,11 @@ process group: none or world size 1 (no collective is issued)
 2 buckets: 51 param elements in 256 buffer elements (80.1% padding), float32 params, float32 grads
 bucket  params  first .. last param  elements  padded  pad %  shard/rank  grad bytes  gather bytes  graphs
 ------  ------  -------------------  --------  ------  -----  ----------  ----------  ------------  ------
-     0       2  2.bias .. 2.weight         21     128   83.6         128         512           512  0
-     1       2  0.bias .. 0.weight         30     128   76.6         128         512           512  0
+     0       2  2.bias .. 2.weight         21     128   83.6         128         512           512  0/0
+     1       2  0.bias .. 0.weight         30     128   76.6         128         512           512  0/0
 
 schedule: node k/N of each compiled graph; forward graphs run in order, backward graphs in reverse
-graph 0: 4 params of buckets 0, 1
+graph 0/0: 4 params of buckets 0, 1
   forward    14 nodes: gather waited for bucket 1 at node 5 (36%), bucket 0 at node 10 (71%)
   backward   28 nodes: reduction launched for bucket 0 at node 17 (61%), bucket 1 at node 26 (93%)
 buckets read by several graphs: none
@@ -70,12 +91,12 @@ collectives per step, c10d names (as torch.profiler shows them): none
   data-parallel group: ranks [0]
 the model's own in its graphs: none
 
-== graph 0: 4 params of buckets 0, 1 ==
+== graph 0/0: 4 params of buckets 0, 1 ==
 # primals_2 = 0.weight (bucket 1)
 # primals_3 = 0.bias (bucket 1)
 # primals_4 = 2.weight (bucket 0)
 # primals_5 = 2.bias (bucket 0)
--- graph 0 forward, after fxzero's passes (14 nodes; frees omitted) --
+-- graph 0/0 forward, after fxzero's passes (14 nodes; frees omitted) --
 def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias):
     wait_bucket1 = torch.ops.fxzero.wait_params.default([0.weight, 0.bias])  # <- fxzero: wait for bucket 1's gather (and launch the next)
     t = torch.ops.aten.t.default(0.weight)
@@ -86,7 +107,7 @@ def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias):
     t_1 = torch.ops.aten.t.default(2.weight)
     addmm_1 = torch.ops.aten.addmm.default(2.bias, relu, t_1)
     return (addmm_1, primals_1, 0.weight, 0.bias, 2.weight, 2.bias, relu, detach, t_1)
--- graph 0 backward, after fxzero's passes (28 nodes; frees omitted) --
+-- graph 0/0 backward, after fxzero's passes (28 nodes; frees omitted) --
 def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias, relu, detach, t_1, tangents_1):
     t_2 = torch.ops.aten.t.default(t_1)
     mm = torch.ops.aten.mm.default(tangents_1, t_2)
@@ -108,14 +129,15 @@ def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias, relu, detach, t
     launch_bucket1 = torch.ops.fxzero.grads_ready.default([t_8, view_1], [0.weight, 0.bias])  # <- fxzero: launch bucket 1's reduction (its grads from this graph are in)
     return (None, None, None, None, None)
 """)
-        _assert_untouched(model, opt, before)
+        _assert_as_found(opt, found)
 
     def test_graph_break_golden_bucket_spans_both_graphs(self) -> None:
+        torch._dynamo.reset()
         torch.manual_seed(0)
         model = _Broken()
         config = fxzero.Config(overlap_param_gather=True)
         opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1, config=config, module=model)
-        before = [p.detach().clone() for p in model.parameters()]
+        found = _found(opt)
         text = fxzero.explain(model, torch.randn(2, 4), optimizer=opt, inner_compiler="eager")
         self.assertExpectedInline(text, """\
 fxzero explain: _Broken, world size 1, bucket size 40,000,000, inner compiler eager, overlap_param_gather on
@@ -123,24 +145,24 @@ process group: none or world size 1 (no collective is issued)
 
 1 bucket: 51 param elements in 128 buffer elements (60.2% padding), float32 params, float32 grads
 bucket  params  first .. last param     elements  padded  pad %  shard/rank  grad bytes  gather bytes  graphs
-------  ------  ----------------------  --------  ------  -----  ----------  ----------  ------------  ------
-     0       4  fc2.bias .. fc1.weight        51     128   60.2         128         512           512  0, 1
+------  ------  ----------------------  --------  ------  -----  ----------  ----------  ------------  --------
+     0       4  fc2.bias .. fc1.weight        51     128   60.2         128         512           512  2/0, 3/0
 
 schedule: node k/N of each compiled graph; forward graphs run in order, backward graphs in reverse
-graph 0: 2 params of buckets 0
+graph 2/0: 2 params of buckets 0
   forward     9 nodes: gather waited for bucket 0 at node 3 (33%)
   backward   15 nodes: reduction launched for bucket 0 at node 13 (87%)
-graph 1: 2 params of buckets 0
+graph 3/0: 2 params of buckets 0
   forward     7 nodes: gather waited for bucket 0 at node 3 (43%)
   backward   15 nodes: reduction launched for bucket 0 at node 13 (87%)
-buckets read by several graphs: 0 (graphs 0, 1)
+buckets read by several graphs: 0 (graphs 2/0, 3/0)
   (such a bucket launches where its last grads arrive and is waited by the first forward to run)
 
 collectives per step, c10d names (as torch.profiler shows them): none
   data-parallel group: ranks [0]
 the model's own in its graphs: none
 """)
-        _assert_untouched(model, opt, before)
+        _assert_as_found(opt, found)
 
 
 def test_gpt_graph_break_tied_embedding_bucket_spans_graphs() -> None:
@@ -152,13 +174,14 @@ def test_gpt_graph_break_tied_embedding_bucket_spans_graphs() -> None:
     text = fxzero.explain(model, torch.randint(0, 64, (2, 16)), optimizer=opt, inner_compiler="eager", full=True)
     lines = text.splitlines()
     assert any(line.startswith("4 buckets: ") for line in lines)
-    # The last bucket holds the embeddings: read before the break (graph 0) and, tied to
-    # the head, after it (graph 1).
+    # The last bucket holds the embeddings: read before the break (the first graph) and,
+    # tied to the head, after it (the second).
+    first, second = re.findall(r"^graph (\S+): ", text, re.M)
     row = next(line for line in lines if line.startswith("     3  "))
-    assert "blocks.0.ln2.bias .. " in row and row.endswith("  0, 1"), row
-    assert "buckets read by several graphs: 3 (graphs 0, 1)" in lines
+    assert "blocks.0.ln2.bias .. " in row and row.endswith(f"  {first}, {second}"), row
+    assert f"buckets read by several graphs: 3 (graphs {first}, {second})" in lines
     assert "def forward(self, primals_1, wte.weight, wpe.weight):" in text
-    graph0 = lines[lines.index(next(line for line in lines if line.startswith("graph 0: "))) :]
+    graph0 = lines[lines.index(next(line for line in lines if line.startswith(f"graph {first}: "))) :]
     assert "3 at node " in next(line for line in graph0 if line.startswith("  backward"))
     # overlap off (the default): the step finishes the gathers, the forwards wait for nothing
     assert "wait_params" not in text
@@ -175,8 +198,28 @@ def test_explain_shows_the_same_graphs_whatever_the_process_explained_before() -
         other = torch.nn.Sequential(torch.nn.Linear(width, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
         other_opt = fxzero.DistributedOptimizer(other.parameters(), torch.optim.SGD, lr=0.1, module=other)
         text = fxzero.explain(other, torch.randn(width - 2, width), optimizer=other_opt, inner_compiler="eager")
-        assert "graph 0: 4 params" in text
-    assert fxzero.explain(model, torch.randn(2, 4), optimizer=opt, inner_compiler="eager", full=True) == first
+        assert re.search(r"^graph \d+/0: 4 params", text, re.M), text
+    again = fxzero.explain(model, torch.randn(2, 4), optimizer=opt, inner_compiler="eager", full=True)
+    assert again != first and _named_by_order(again) == _named_by_order(first)  # the same graphs, named by their own compiles
+
+
+def test_explain_leaves_a_training_optimizer_as_found_or_refuses_naming_its_gradients() -> None:
+    """After a compiled step (compiled slots, zero grads present: ``set_to_none=False``) explain
+    leaves grads, state and ledger as they were, so the next step is the one it would have
+    been; between a backward and the step it refuses, naming the params holding gradients."""
+    model, opt = _mlp_and_optimizer()
+    compiled = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    compiled(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=False)
+    found = _found(opt)
+    fxzero.explain(model, torch.randn(2, 4), optimizer=opt, inner_compiler="eager")
+    _assert_as_found(opt, found)
+    compiled(torch.randn(2, 4)).sum().backward()
+    found = _found(opt)
+    with pytest.raises(RuntimeError, match=r"holds gradients not yet stepped, of 0\.weight, 0\.bias, 2\.weight, 2\.bias \(4 params"):
+        fxzero.explain(model, torch.randn(2, 4), optimizer=opt, inner_compiler="eager")
+    _assert_as_found(opt, found)
 
 
 def test_explain_names_its_bad_arguments() -> None:
@@ -279,13 +322,13 @@ def test_summary_of_the_example_fits_a_screen(mlp_world_2: dict[str, Any]) -> No
     assert len(lines) <= 40 and max(map(len, lines)) <= 120, (len(lines), max(map(len, lines)))
     assert lines[0].startswith("fxzero explain: ResidualMLP, world size 2, bucket size 5,000, inner compiler eager")
     assert "2 buckets: 9,060 param elements in 9,216 buffer elements (1.7% padding), float32 params, float32 grads" in lines
-    assert "buckets read by several graphs: 0 (graphs 0, 1)" in lines
+    assert re.search(r"^buckets read by several graphs: 0 \(graphs (\d+/0), (?!\1)\d+/0\)$", mlp_world_2["text"], re.M), lines
     assert not any(line.startswith("def forward") for line in lines)  # the graphs' code is --full's
 
 
 def test_json_holds_the_optimizers_buckets_and_the_summarys_schedule(mlp_world_2: dict[str, Any]) -> None:
     data, truth = mlp_world_2["data"], mlp_world_2["truth"]
-    assert data["schema"] == 1 and data["conditions"]["world_size"] == 2 and data["conditions"]["bucket_size"] == 5000
+    assert data["schema"] == 2 and data["conditions"]["world_size"] == 2 and data["conditions"]["bucket_size"] == 5000
     assert data["conditions"]["backend"] == "fake" and data["conditions"]["collectives_assume"] == "nccl"
     keys = truth["buckets"][0].keys()
     assert [{k: b[k] for k in keys} for b in data["buckets"]] == truth["buckets"]

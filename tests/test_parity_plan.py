@@ -11,11 +11,11 @@ import torch
 import torch.nn as nn
 
 import fxzero
-from fxzero.parity import plan
-from fxzero.parity.plan import OptimizerSpec, ParityError, ParityOptions, Tolerance
-from fxzero.parity.ranks import ModelSource
-from fxzero.parity.reference import Trace
-from fxzero.parity.report import Agreement, ParamResult, ParityReport, Setup, compare_params
+from fxzero.parity_check import plan
+from fxzero.parity_check.plan import OptimizerSpec, ParityError, ParityOptions, Tolerance
+from fxzero.parity_check.ranks import ModelSource
+from fxzero.parity_check.reference import Trace
+from fxzero.parity_check.report import Agreement, ParamResult, ParityReport, Setup, compare_params
 
 
 # ---- options and batches --------------------------------------------------------------
@@ -204,4 +204,4 @@ def test_verdicts_and_exit_codes() -> None:
 
 
 def test_parity_is_public() -> None:
-    assert fxzero.parity.__module__ == "fxzero.parity" and "parity" in fxzero.__all__
+    assert fxzero.parity.__module__ == "fxzero.parity_check" and "parity" in fxzero.__all__

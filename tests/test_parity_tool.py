@@ -212,7 +212,7 @@ def test_fxzero_raising_on_a_rank_is_a_fail(targets: Path, capsys: pytest.Captur
     """On ranks of its own: a failed rank closes its pool, and the suite's shared one would
     then start over (seconds of imports and warm-up for the tests after this one)."""
     with RankPool(2) as pool:
-        with mock.patch("fxzero.parity.run.run_ranks", lambda world, fn, *args, **kwargs: pool.run(fn, *args, **kwargs)):
+        with mock.patch("fxzero.parity_check.run.run_ranks", lambda world, fn, *args, **kwargs: pool.run(fn, *args, **kwargs)):
             assert main(["parity", f"{targets}:raises_on_ranks", "--inner-compiler", "eager", "--steps", "1"]) == 1
         assert pool.closed
     err = capsys.readouterr().err

@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .graph_id import GraphId
 from ..optim.gradients.grad_sync import GradSync
 from ..optim.gradients.grad_use import GradientUses, grad_accumulator
 from ..optim.gradients.ledger import Ledger
@@ -154,7 +155,7 @@ class GraphBinding:
         # Per-step caches, each keyed by the whole identity of a param set (see the module docstring).
         self._grad_groups: dict[tuple[int, ...], tuple[_Group, ...]] = {}
         self._wait_buckets: dict[tuple[int, ...], tuple[int, ...]] = {}
-        self._counts: dict[tuple[int, tuple[int, ...]], list[tuple[int, int]]] = {}
+        self._counts: dict[tuple[GraphId, tuple[int, ...]], list[tuple[int, int]]] = {}
         self.uses = GradientUses()
 
     # ---- compile time -------------------------------------------------------------
@@ -246,7 +247,7 @@ class GraphBinding:
             self.param_sync.finish()
 
     # ---- each run of a compiled forward --------------------------------------------
-    def forward_ran(self, graph: int, params: Sequence[Any], positions: Sequence[int], delivered: frozenset[int], node: Any) -> None:
+    def forward_ran(self, graph: GraphId, params: Sequence[Any], positions: Sequence[int], delivered: frozenset[int], node: Any) -> None:
         """A compiled forward (``graph`` identifies it) ran with ``params`` at input
         ``positions``; its backward, from autograd ``node``, delivers the gradients of
         those whose position is in ``delivered``."""
@@ -268,7 +269,7 @@ class GraphBinding:
 
 
 def counting_forward(
-    graph: int,
+    graph: GraphId,
     positions: Sequence[Sequence[int]],
     delivered: Callable[[], frozenset[int]],
     compiled: Callable[..., Any],
@@ -308,7 +309,7 @@ def counting_forward(
 _OWNER_ATTRIBUTE = itertools.repeat("_fxzero_owner")
 
 
-def _land_adopted(graph: int, params: Sequence[Any]) -> None:
+def _land_adopted(graph: GraphId, params: Sequence[Any]) -> None:
     """Params this graph read unmanaged (it compiled before their optimizer existed) are
     managed now: their gathers get no wait in it, so every bucket is landed before it runs,
     and their gradients take autograd's path to the optimizer's hooks. Exact, not overlapped.

@@ -35,7 +35,9 @@ removes the marker (it computes nothing). Run outside fxzero's graphs (another b
 waits for those buckets itself. Registered as having side effects, so dead-code
 elimination keeps it until the pass has seen it.
 
-Importing this module defines the ops (``fxzero/__init__.py`` does it).
+Importing this module defines the ops. ``import fxzero`` does not: the optimizer's
+construction and the backend import it (first use), the backend before any graph of its
+compile is traced or loaded from Inductor's or AOTAutograd's caches.
 """
 
 from __future__ import annotations

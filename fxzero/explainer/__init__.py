@@ -58,7 +58,8 @@ def explain(
     """Compile ``model``, run one forward+backward under ``optimizer.no_sync()`` (no
     collective), and return the summary: the bucket table, where each graph launches each
     bucket's gradient reduction and waits for each gather, and the collectives of a step.
-    Grads are zeroed afterwards; params untouched.
+    The optimizer is left as found (grads, readiness ledger; params untouched); one holding
+    gradients (between a backward and ``step()``) is refused, naming them.
 
     ``full=True`` appends every compiled graph's code after fxzero's passes, its nodes
     marked. ``json_file`` writes the same facts as JSON; ``timeline_file`` draws them as a

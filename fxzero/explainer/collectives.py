@@ -94,7 +94,8 @@ def replica_ranks(dp: Any) -> Optional[list[int]]:
 class ModelCollective:
     """A collective the model's own code put in a compiled graph (tensor parallel's)."""
 
-    graph: int
+    graph: str
+    """The graph's id (:mod:`fxzero.compiled.graph_id`)."""
     part: str
     op: str
     """The functional op's name in the graph (``all_gather_into_tensor``, ...)."""
@@ -107,19 +108,19 @@ class ModelCollective:
         return f"{self.count} x {self.op} over {where}"
 
 
-def _in_part(number: int, part: "Recorded") -> list[ModelCollective]:
+def _in_part(graph: str, part: "Recorded") -> list[ModelCollective]:
     counts: dict[tuple[str, str], int] = {}
     for line in part.code.splitlines():
         found = MODEL_COLLECTIVE.search(line.strip())
         if found is not None:
             op, group = found.groups()
             counts[(op, group)] = counts.get((op, group), 0) + 1
-    return [ModelCollective(number, part.kind, op, g, group_ranks_by_name(g), c) for (op, g), c in sorted(counts.items())]
+    return [ModelCollective(graph, part.kind, op, g, group_ranks_by_name(g), c) for (op, g), c in sorted(counts.items())]
 
 
 def model_collectives(explained: "Explained") -> list[ModelCollective]:
     """The model's own collectives in every recorded graph, counted by op and group."""
-    return [c for n, graph in enumerate(explained.graphs) for part in graph.parts.values() for c in _in_part(n, part)]
+    return [c for graph in explained.graphs for part in graph.parts.values() for c in _in_part(graph.id, part)]
 
 
 def describe_group(name: str) -> str:

@@ -3,13 +3,13 @@
 Why: a script that checks a layout (a CI job asserting no bucket pads more than 5%, a
 sweep over bucket sizes, a notebook plotting launch positions) should read numbers, not
 parse a table. The file holds what the summary shows, and each bucket's params by name.
-Schema (``"schema": 1``)::
+Schema (``"schema": 2``; graphs are named by their ids, ``"0/0"``, since 2)::
 
     conditions   model, world_size, backend, collectives_assume, bucket_size, inner_compiler,
                  overlap_param_gather, fxzero and torch versions
     buckets      [{index, params: [module paths], elements, padded, padding, shard_per_rank,
-                   grad_bytes, gather_bytes, param_dtype, grad_dtype, graphs: [graph numbers]}]
-    graphs       [{index, params: [{name, bucket, placeholder}], buckets,
+                   grad_bytes, gather_bytes, param_dtype, grad_dtype, graphs: [graph ids]}]
+    graphs       [{id, params: [{name, bucket, placeholder}], buckets,
                    parts: {forward|backward|inference: {nodes, launches, handoffs, waits}}}]
                  where launches/handoffs/waits are [{bucket, node}] (node: position among the graph's nodes)
     collectives  {per_step: {c10d op: count}, reduction, gather, group_ranks,
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 __all__ = ["as_data", "write_json"]
 
-SCHEMA = 1
+SCHEMA = 2
 
 
 def _conditions(explained: "Explained") -> dict[str, Any]:
@@ -68,7 +68,7 @@ def _graphs(explained: "Explained") -> list[dict[str, Any]]:
     for graph, planned in zip(explained.graphs, schedule.schedules(explained)):
         params = [{"name": name, "bucket": bucket, "placeholder": ph} for ph, name, bucket in explained.params_of(graph)]
         parts = {part.kind: _part(part) for part in planned.parts}
-        found.append({"index": planned.number, "params": params, "buckets": list(planned.buckets), "parts": parts})
+        found.append({"id": planned.id, "params": params, "buckets": list(planned.buckets), "parts": parts})
     return found
 
 

@@ -51,9 +51,9 @@ class Explained:
         """Buckets of this optimizer with a param read by ``graph``."""
         return sorted({bucket for _, _, bucket in self.params_of(graph)})
 
-    def graphs_of_bucket(self, bucket: int) -> list[int]:
-        """Numbers of the graphs that read a param of ``bucket``."""
-        return [i for i, g in enumerate(self.graphs) if bucket in self.buckets_of(g)]
+    def graphs_of_bucket(self, bucket: int) -> list[str]:
+        """Ids of the graphs that read a param of ``bucket``."""
+        return [g.id for g in self.graphs if bucket in self.buckets_of(g)]
 
     def name(self, param: Any) -> str:
         return self.names.get(id(param), "?")

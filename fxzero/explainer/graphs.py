@@ -32,7 +32,7 @@ _SUBGRAPH_FETCH = re.compile(r"^\s*(\w+) = self\.\1$")
 def render_graphs(explained: "Explained") -> str:
     """The ownership table (whole-param ownership only) and every graph's marked code."""
     sections = [_ownership_table(explained.optimizer)] if explained.optimizer.balance is not None else []
-    sections += [_graph_text(i, g, explained) for i, g in enumerate(explained.graphs)]
+    sections += [_graph_text(g, explained) for g in explained.graphs]
     return "\n\n".join(sections) + "\n"
 
 
@@ -105,14 +105,14 @@ def _marked_code(graph: "Graph", part: "Recorded", explained: "Explained") -> li
     return out
 
 
-def _graph_text(number: int, graph: "Graph", explained: "Explained") -> str:
+def _graph_text(graph: "Graph", explained: "Explained") -> str:
     params = explained.params_of(graph)
     buckets = ", ".join(map(str, explained.buckets_of(graph))) or "none"
-    lines = [f"== graph {number}: {len(params)} params of buckets {buckets} =="]
+    lines = [f"== graph {graph.id}: {len(params)} params of buckets {buckets} =="]
     lines += [f"# {placeholder} = {path} (bucket {bucket})" for placeholder, path, bucket in params]
     for kind in PARTS:
         part = graph.parts.get(kind)
         if part is not None:
-            lines.append(f"-- graph {number} {kind}, after fxzero's passes ({part.total} nodes; frees omitted) --")
+            lines.append(f"-- graph {graph.id} {kind}, after fxzero's passes ({part.total} nodes; frees omitted) --")
             lines += _marked_code(graph, part, explained)
     return "\n".join(lines)

@@ -36,8 +36,8 @@ class BucketFacts:
     """Bytes the param gather writes: the whole param bucket (MXFP8: codes + scales)."""
     param_dtype: str
     grad_dtype: str
-    graphs: tuple[int, ...]
-    """The compiled graphs that read a param of the bucket (empty: eager only)."""
+    graphs: tuple[str, ...]
+    """Ids of the compiled graphs that read a param of the bucket (empty: eager only)."""
 
     @property
     def padding(self) -> int:

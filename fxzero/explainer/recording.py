@@ -4,9 +4,11 @@ Why this way: the graphs fxzero rewrites exist only inside a compile, so explain
 compiles the model through the backend's ``recorder`` option (scoped to this one
 compile: nothing registered process-wide), runs one forward+backward under
 :meth:`~fxzero.DistributedOptimizer.no_sync` (no collective is launched) and snapshots
-every AOT graph *after* fxzero's passes, before the inner compiler takes it. Grads are
-zeroed afterwards so training state is unchanged; Dynamo is never reset (the user's
-compiled graphs survive an explain).
+every AOT graph *after* fxzero's passes, before the inner compiler takes it. The user's
+optimizer is left as it was found: its grads are zeroed again and its readiness ledger
+restored (:meth:`~fxzero.optim.gradients.ledger.Ledger.kept`), so the next step is the one
+it would have been; an optimizer that holds gradients is refused instead (explain's own
+would mix with them). Dynamo is never reset (the user's compiled graphs survive an explain).
 """
 
 from __future__ import annotations
@@ -44,6 +46,12 @@ class Graph:
     """Its owners, managed params (by forward position) and Dynamo input names."""
     parts: dict[str, Recorded] = dataclasses.field(default_factory=dict)
 
+    @property
+    def id(self) -> str:
+        """What the explain output calls it: the graph's one id, also in its dump files,
+        its log lines and fxzero's warnings (:mod:`fxzero.compiled.graph_id`)."""
+        return self.dumper.graph_id.name
+
 
 def _snapshot(kind: str, gm: fx.GraphModule) -> Recorded:
     nodes = list(gm.graph.nodes)
@@ -71,17 +79,35 @@ class _Recording:
 
 def record(model: torch.nn.Module, inputs: Sequence[Any], optimizer: Any, options: dict[str, Any]) -> list[Graph]:
     """Compile ``model`` with the fxzero backend, run one forward+backward without
-    collectives, zero the grads, and return every graph as fxzero's passes left it."""
+    collectives, leave ``optimizer`` as it was, and return every graph as fxzero's passes left it."""
+    _refuse_pending_gradients(optimizer)
     recording = _Recording()
     # dynamic=False: shapes as a first compile sees them. Dynamo's shape profile is kept per
     # function name and line, so a previous explain in the process (other shapes) would
     # otherwise make this one compile with dynamic shapes: other graphs than a training run's.
     compiled = torch.compile(_own_frame(model), backend="fxzero", dynamic=False, options={**options, "recorder": recording})
-    with optimizer.no_sync():
-        out = compiled(*inputs)
-        (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
-    optimizer.zero_grad()
+    with optimizer.runtime.ledger.kept():
+        try:
+            with optimizer.no_sync():
+                out = compiled(*inputs)
+                (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
+        finally:
+            optimizer.zero_grad()  # it held no gradient (refused otherwise): it holds none again
     return recording.graphs
+
+
+def _refuse_pending_gradients(optimizer: Any) -> None:
+    """Explain's backward adds into the optimizer's grad buffers: gradients already there
+    (between a backward and ``step()``, or accumulating microbatches) would be mixed with
+    explain's and then zeroed. Refused, naming them."""
+    table, ledger = optimizer.param_table, optimizer.runtime.ledger
+    held = [slot for slot, p in enumerate(table.params) if p.grad is not None or (ledger.written and ledger.presence[slot])]
+    if held:
+        raise RuntimeError(
+            f"fxzero.explain: the optimizer holds gradients not yet stepped, of {table.describe(held)}; explain "
+            "runs a backward of its own into the same buffers. Call it before the backward, or after "
+            "optimizer.step() or optimizer.zero_grad()."
+        )
 
 
 def _own_frame(model: torch.nn.Module) -> Any:

@@ -49,7 +49,7 @@ class PartSchedule:
 
 @dataclasses.dataclass(frozen=True)
 class GraphSchedule:
-    number: int
+    id: str
     params: int
     buckets: tuple[int, ...]
     parts: tuple[PartSchedule, ...]
@@ -71,13 +71,13 @@ def _part(graph: "Graph", part: "Recorded", explained: "Explained") -> PartSched
 def schedules(explained: "Explained") -> list[GraphSchedule]:
     """Every compiled graph's launches, hand-offs and waits of this optimizer's buckets."""
     found = []
-    for number, graph in enumerate(explained.graphs):
+    for graph in explained.graphs:
         parts = tuple(_part(graph, graph.parts[k], explained) for k in PARTS if k in graph.parts)
-        found.append(GraphSchedule(number, len(explained.params_of(graph)), tuple(explained.buckets_of(graph)), parts))
+        found.append(GraphSchedule(graph.id, len(explained.params_of(graph)), tuple(explained.buckets_of(graph)), parts))
     return found
 
 
-def spanning(explained: "Explained") -> dict[int, list[int]]:
+def spanning(explained: "Explained") -> dict[int, list[str]]:
     """Buckets whose params are read by more than one compiled graph (graph breaks) -> graphs."""
     seen = {b.index: explained.graphs_of_bucket(b.index) for b in explained.optimizer.runtime.buckets}
     return {bucket: graphs for bucket, graphs in seen.items() if len(graphs) > 1}

@@ -95,7 +95,7 @@ def _schedule(explained: "Explained") -> list[str]:
     lines = ["schedule: node k/N of each compiled graph; forward graphs run in order, backward graphs in reverse"]
     for graph in schedule.schedules(explained):
         buckets = ", ".join(map(str, graph.buckets)) or "none"
-        lines.append(f"graph {graph.number}: {_plural(graph.params, 'param')} of buckets {buckets}")
+        lines.append(f"graph {graph.id}: {_plural(graph.params, 'param')} of buckets {buckets}")
         for part in graph.parts:
             lines += _part_lines(part, explained)
     if not explained.overlap:

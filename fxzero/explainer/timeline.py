@@ -77,7 +77,7 @@ def _panel(ax: Any, graph: dict[str, Any], overlap: bool) -> None:
         ax.text(start + nodes / 2, len(buckets) - 0.35, f"{kind} ({nodes} nodes)", ha="center", va="bottom", fontsize=8)
         _events(ax, graph["parts"][kind], start, rows)
     params = ", ".join(p["name"] for p in graph["params"][:3]) + (", …" if len(graph["params"]) > 3 else "")
-    ax.set_title(f"graph {graph['index']}: {len(graph['params'])} params ({params})", fontsize=9, loc="left")
+    ax.set_title(f"graph {graph['id']}: {len(graph['params'])} params ({params})", fontsize=9, loc="left")
     ax.set_yticks(range(len(buckets)), [f"bucket {b}" for b in buckets], fontsize=8)
     ax.set_ylim(-0.6, len(buckets) + 0.1)
     total = sum(nodes for _, _, nodes in _spans(graph))
@@ -89,7 +89,7 @@ def _panel(ax: Any, graph: dict[str, Any], overlap: bool) -> None:
 def draw_timeline(data: dict[str, Any], path: Union[str, "os.PathLike[str]"], date: str = "") -> None:
     """Draw ``data`` (:func:`fxzero.explainer.data.as_data`) into the PNG at ``path``."""
     Figure, Line2D = matplotlib_parts()
-    graphs = data["graphs"] or [{"index": 0, "params": [], "buckets": [], "parts": {}}]
+    graphs = data["graphs"] or [{"id": "none", "params": [], "buckets": [], "parts": {}}]
     heights = [0.55 * max(len(g["buckets"]), 1) + 0.9 for g in graphs]
     fig = Figure(figsize=(11, sum(heights) + 1.6))
     axes = fig.subplots(len(graphs), 1, squeeze=False, gridspec_kw={"height_ratios": heights})

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from ..compiled import ops  # noqa: F401  defines the fxzero:: ops the passes insert and match (not defined by import fxzero)
+
 __all__ = ["LAUNCH_META", "WAIT_META", "copy_node_provenance", "graph_output", "is_grads_ready", "is_module_entered", "is_wait_params", "remove_module_marks"]
 
 LAUNCH_META = "fxzero_launch"

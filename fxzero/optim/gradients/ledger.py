@@ -38,6 +38,7 @@ ledger is tested with a fake one, without autograd or a process group
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import weakref
@@ -80,7 +81,7 @@ class LateGradient(RuntimeError):
     """A gradient arrived for a bucket that was already launched in this step."""
 
 
-@dataclasses.dataclass(eq=False, slots=True)
+@dataclasses.dataclass(slots=True)
 class _Forward:
     node: "weakref.ref[Any]"
     counts: Sequence[tuple[int, int]]
@@ -275,6 +276,30 @@ class Ledger:
         finally:
             self._accumulating = previous
 
+    # ---- a block that leaves no trace -------------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Every field of the ledger's state, copied: what :meth:`kept` puts back (two compare
+        equal when the ledger would decide the same from then on)."""
+        return {name: _copied(value) for name, value in vars(self).items() if _is_state(value)}
+
+    @contextlib.contextmanager
+    def kept(self) -> Iterator[None]:
+        """Undo, at the block's end, whatever the block did to the ledger: :func:`fxzero.explain`
+        compiles and runs a graph of its own through the user's optimizer, which must be left
+        as it was found (no new compiled slots, no learning step, no forward of explain's
+        still counted). Arrays others read (``presence``, viewed by ``presence_tensor``) are
+        restored in place."""
+        saved = self.snapshot()
+        try:
+            yield
+        finally:
+            for name, value in saved.items():
+                current = getattr(self, name)
+                if isinstance(current, bytearray) and len(current) == len(value):
+                    current[:] = value
+                else:
+                    setattr(self, name, _copied(value))
+
     # ---- out ----------------------------------------------------------------------
     def has_launched(self, bucket: int) -> bool:
         """Whether ``bucket`` launched this step: a gradient for it now is late (or follows
@@ -358,3 +383,19 @@ class Ledger:
     def _adjust(self, counts: Sequence[tuple[int, int]], sign: int) -> None:
         for bucket, count in counts:
             self._pending[bucket] += sign * count
+
+
+_SCALARS = (bool, int, float, str, bytes, tuple, type(None))
+
+
+def _is_state(value: Any) -> bool:
+    """A field that holds state (not a callable, the engine or a tensor view of another field)."""
+    return isinstance(value, (*_SCALARS, bytearray, list))
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, bytearray):
+        return bytearray(value)
+    if isinstance(value, list):
+        return [copy.copy(item) for item in value]  # a _Forward's fields change in place
+    return value

@@ -9,7 +9,10 @@ label errors use, its param group and its bucket. Lookups by param go through
 tensor that merely shares an id with a dead param is never taken for it.
 
 Nothing is written on the user's params for fxzero's bookkeeping except the owner
-reference (``_fxzero_owner``) that compiled graphs' ops use to reach their optimizer.
+reference (``_fxzero_owner``) that compiled graphs' ops use to reach their optimizer (on a
+DTensor param's local tensor too, what compiled graphs see of it). A DTensor param's local
+tensor is found by this table's own map, not by a mark on the tensor, so nothing of a dead
+optimizer's layout stays on the user's tensors.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import dataclasses
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
+
+from .mesh import local_of
 
 __all__ = ["ParamRow", "ParamTable", "param_names"]
 
@@ -57,6 +62,8 @@ class ParamTable:
         self.group_slots = tuple(tuple(r.slot for r in self.rows if r.group == g) for g in range(groups))
         """``group_slots[g]``: the slots of param group ``g``, in order."""
         self._slot_of = {id(row.param): row.slot for row in self.rows}
+        self._slot_of_local = {id(local): row.slot for row in self.rows if (local := local_of(row.param)) is not row.param}
+        """DTensor params' local tensors (as they were at construction: a model cast since has new ones)."""
 
     @classmethod
     def build(
@@ -82,8 +89,8 @@ class ParamTable:
         slot = self._slot_of.get(id(value))
         if slot is not None and self.params[slot] is value:
             return slot
-        slot = getattr(value, "_fxzero_slot", None)
-        return slot if slot is not None and slot < len(self.params) and getattr(self.params[slot], "_local_tensor", None) is value else None
+        slot = self._slot_of_local.get(id(value))
+        return slot if slot is not None and local_of(self.params[slot]) is value else None
 
     def slots(self, params: Iterable[Any]) -> list[int]:
         """The slots of ``params``, all of which must be in the table."""

@@ -1,4 +1,4 @@
-"""The text of a :class:`~fxzero.parity.report.ParityReport`.
+"""The text of a :class:`~fxzero.parity_check.report.ParityReport`.
 
 Why a module of its own: :mod:`.report` decides what was found; this decides how a
 user reads it, top to bottom: what ran, the loss per step on both sides, the params

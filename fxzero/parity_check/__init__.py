@@ -1,4 +1,8 @@
-"""``fxzero.parity``: does fxzero train *this* model exactly as plain PyTorch does?
+""":func:`fxzero.parity`: does fxzero train *this* model exactly as plain PyTorch does?
+
+(This package is ``fxzero.parity_check``, not ``fxzero.parity``: :mod:`fxzero` imports it on
+first use, and a subpackage named ``parity`` would replace the function ``fxzero.parity``
+by itself as soon as any of its modules loaded.)
 
 Why: a new model is where a distributed backend breaks (a stale param read under
 Inductor's fusion was found on a real model, not by the test suite), and the user who
