@@ -19,6 +19,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 import torch
 
+from ..._torch_compat import local_tensor_or_none
+
 __all__ = ["ParamRow", "ParamTable", "param_names"]
 
 
@@ -83,7 +85,7 @@ class ParamTable:
         if slot is not None and self.params[slot] is value:
             return slot
         slot = getattr(value, "_fxzero_slot", None)
-        return slot if slot is not None and slot < len(self.params) and getattr(self.params[slot], "_local_tensor", None) is value else None
+        return slot if slot is not None and slot < len(self.params) and local_tensor_or_none(self.params[slot]) is value else None
 
     def slots(self, params: Iterable[Any]) -> list[int]:
         """The slots of ``params``, all of which must be in the table."""
