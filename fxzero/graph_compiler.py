@@ -195,7 +195,7 @@ def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[Manag
 
 def _hooked_positions(example_inputs: Sequence[Any], managed: Sequence[ManagedParam], names: Sequence[str]) -> set[int]:
     """Managed params with tensor hooks: their gradients keep autograd's path, so the hooks see them."""
-    hooked = {m.position for m in managed if example_inputs[m.position]._backward_hooks}
+    hooked = {m.position for m in managed if compat.tensor_hooks(example_inputs[m.position])}
     for position in sorted(hooked):
         log.info("param %s has tensor hooks: its gradient takes autograd's path so they see it", names[position])
     return hooked

@@ -59,8 +59,46 @@ def test_bucket_shard_views_share_storage_with_their_bucket() -> None:
                 assert shard.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
         assert bucket.grad_data.data_ptr() == buffer.grad_data.data_ptr() + spec.start * 4
         assert bucket.param_data.data_ptr() == buffer.param_data.data_ptr() + spec.start * 4
-        # the shard views are the very same objects every time they are fetched (made once)
-        assert bucket.grad_shards[1] is bucket.grad_shards[1]
+
+
+@pytest.mark.parametrize("grad_collective", ["reduce_scatter", "all_reduce"])
+def test_each_steps_collectives_use_the_shard_views_made_at_construction(
+    monkeypatch: pytest.MonkeyPatch, grad_collective: str
+) -> None:
+    """The shard views are made once and reused on every call (slicing anew would cost dispatcher
+    time per bucket per step: ``benchmarks/runtime_overhead.py``): rank 2 of 4's reductions and
+    gathers hand torch.distributed the very tensor objects its buckets made at construction, on
+    every step, and the values published through them land in the flat buffer."""
+    import torch.distributed as dist
+
+    from fxzero.optim.communication.comm import DataParallelGroup
+    from fxzero.optim.gradients.grad_sync import GradReductions
+    from fxzero.optim.params.param_sync import PlainGather
+
+    handed: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+
+    def record(kind: str):  # a collective that records what it is handed and returns a finished work
+        return lambda out, tensor, *args, **kwargs: handed.append((kind, out, tensor))
+
+    monkeypatch.setattr(dist, "reduce_scatter_single", record("reduce_scatter"))
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *args, **kwargs: handed.append(("all_reduce", tensor, tensor)))
+    monkeypatch.setattr(dist, "all_gather_single", record("all_gather"))
+    params = make_params((64, 3), (100,), (33,), (5, 5))
+    buckets = ParamAndGradBuffer(params, plan_buckets(params, dp_size=4, bucket_size=150), grad_dtype=None).buckets
+    dp = DataParallelGroup(None, 4, 2, grad_collective, backend="nccl")
+    reductions, gather = GradReductions(buckets, dp, None), PlainGather(buckets, dp)  # type: ignore[arg-type]
+    expected = []
+    for bucket in buckets:
+        reduced = (bucket.grad_shards[2], bucket.grad_data) if grad_collective == "reduce_scatter" else (bucket.grad_data,) * 2
+        expected += [(grad_collective, *reduced), ("all_gather", bucket.param_data, bucket.param_shards[2])]
+    for step in range(2):
+        handed.clear()
+        for index, bucket in enumerate(buckets):
+            reductions.launch(range(index, index + 1))
+            gather.publish(index, torch.full_like(bucket.param_shards[2], float(step)))
+            gather.launch(index)
+        assert [(kind, id(out), id(t)) for kind, out, t in handed] == [(kind, id(out), id(t)) for kind, out, t in expected]
+        assert all(bucket.param_shards[2].eq(step).all() for bucket in buckets)
 
 
 def test_grad_dtype_and_param_dtype_groups() -> None:

@@ -1,16 +1,21 @@
 """The package's shape: no import cycles between fxzero's modules, no import from a room
 (a folder or top-level module of ``fxzero/``) to a higher one, and every private torch
-API (a ``torch._*`` name or module) used through ``fxzero/_torch_compat.py`` only."""
+API (a ``torch._*`` name or module, a private attribute of a torch object, a private torch
+class's name) used through the compat package ``fxzero/_torch_compat/`` only."""
 
 from __future__ import annotations
 
 import ast
+import functools
+import re
 from pathlib import Path
+
+import torch
 
 import fxzero
 
 PACKAGE = Path(fxzero.__file__).resolve().parent
-COMPAT = PACKAGE / "_torch_compat.py"
+COMPAT = PACKAGE / "_torch_compat"
 
 
 def _module_name(path: Path) -> str:
@@ -179,14 +184,127 @@ def _private_torch_names(tree: ast.Module) -> list[str]:
     return private
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+@functools.lru_cache(maxsize=1)
+def torch_private_attributes() -> frozenset[str]:
+    """The ``_private`` attribute names torch defines on the objects fxzero handles: tensors,
+    params, modules, optimizers, DTensors, FX graphs and nodes, autograd nodes, process
+    groups, hook handles. Read from the classes and from instances (a module's
+    ``_parameters``, an optimizer's hook dicts are set in ``__init__``), so a torch upgrade
+    that adds one is covered without editing this list."""
+    import torch.fx as fx
+    from torch.distributed.tensor import DTensor
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    module = torch.nn.Linear(1, 1)
+    traced = fx.symbolic_trace(module)
+    objects = [
+        torch.Tensor, param, module, torch.optim.SGD([param]), DTensor, traced, traced.graph,
+        next(iter(traced.graph.nodes)), (param * 2).sum().grad_fn, torch.autograd.graph.Node,
+        torch.distributed.ProcessGroup, torch.utils.hooks.RemovableHandle,
+    ]  # fmt: skip
+    return frozenset(name for obj in objects for name in dir(obj) if _is_private(name))
+
+
+@functools.lru_cache(maxsize=1)
+def torch_private_class_names() -> frozenset[str]:
+    """Names of classes that only torch's private modules define (``CompiledFunction`` of
+    ``torch._functorch._aot_autograd.runtime_wrappers``): a string naming one (a match on an
+    autograd node's name) depends on torch's internals as much as an import would. Found by
+    reading the ``class`` lines of every private module's source (a quarter of a second),
+    less the names torch also exports publicly and those fxzero defines itself."""
+    root = Path(torch.__file__).resolve().parent
+    pattern = re.compile(r"^\s*class\s+([A-Za-z_]\w*)", re.MULTILINE)
+    names: set[str] = set()
+    for path in root.rglob("*.py"):
+        if any(_is_private(part) for part in path.relative_to(root).parts):
+            names |= set(pattern.findall(path.read_text(errors="replace")))
+    public = {name for module in (torch, torch.nn, torch.optim, torch.fx, torch.autograd, torch.distributed, torch.utils.data) for name in dir(module)}
+    own = {node.name for path in PACKAGE.rglob("*.py") for node in ast.walk(ast.parse(path.read_text())) if isinstance(node, (ast.ClassDef, ast.FunctionDef))}
+    return frozenset(names - public - own)
+
+
+def _own_attributes(cls: ast.ClassDef) -> set[str]:
+    """Names a class of fxzero's defines itself: methods, class-level names, ``self.x = ...``."""
+    own = set()
+    for node in ast.walk(cls):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            own.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            own.add(node.target.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and ast.unparse(node.value) == "self":
+            own.add(node.attr)
+    for node in cls.body:
+        if isinstance(node, ast.Assign):
+            own |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+    return own
+
+
+def private_torch_attributes(tree: ast.Module) -> list[str]:
+    """Reads and writes of torch's private attributes (``module._parameters``, ``t._version``)
+    and strings naming them or a private torch class (``getattr(t, "_version")``,
+    ``operator.attrgetter("_backward_hooks")``, ``name.startswith("CompiledFunction")``).
+    ``self._x`` is fxzero's own where the enclosing class defines ``_x`` itself."""
+    attributes, classes = torch_private_attributes(), torch_private_class_names()
+    allowed: set[int] = set()
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        own = _own_attributes(cls)
+        allowed |= {
+            id(node)
+            for node in ast.walk(cls)
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) in ("self", "cls") and node.attr in own
+        }
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in attributes and id(node) not in allowed:
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in attributes | classes:
+            found.append(f"line {node.lineno}: {node.value!r}")
+    return found
+
+
+def _outside_compat() -> list[Path]:
+    return [path for path in PACKAGE.rglob("*.py") if COMPAT not in path.parents]
+
+
 def test_private_torch_apis_only_in_the_compat_module() -> None:
-    found = {
-        str(path.relative_to(PACKAGE)): sorted(set(_private_torch_names(ast.parse(path.read_text()))))
-        for path in PACKAGE.rglob("*.py")
-        if path != COMPAT
-    }
+    found = {str(path.relative_to(PACKAGE)): sorted(set(_private_torch_names(ast.parse(path.read_text())))) for path in _outside_compat()}
     assert {path: names for path, names in found.items() if names} == {}
-    assert _private_torch_names(ast.parse(COMPAT.read_text()))  # the compat module is where they are
+    inside = [name for path in COMPAT.rglob("*.py") for name in _private_torch_names(ast.parse(path.read_text()))]
+    assert inside  # the compat module is where they are
+
+
+def test_private_torch_attributes_only_in_the_compat_module() -> None:
+    found = {str(path.relative_to(PACKAGE)): private_torch_attributes(ast.parse(path.read_text())) for path in _outside_compat()}
+    assert {path: names for path, names in found.items() if names} == {}
+    inside = [name for path in COMPAT.rglob("*.py") for name in private_torch_attributes(ast.parse(path.read_text()))]
+    assert {"_backward_hooks", "_version", "_local_tensor", "_parameters", "CompiledFunction"} <= {n.split(": ", 1)[1].strip("'").rsplit(".", 1)[-1] for n in inside}
+
+
+def test_private_attribute_finder_sees_torch_attributes_and_not_fxzeros_own() -> None:
+    assert {"_parameters", "_buffers", "_modules", "_backward_hooks", "_version", "_base", "_local_tensor", "_spec"} <= torch_private_attributes()
+    assert "CompiledFunction" in torch_private_class_names() and "Tensor" not in torch_private_class_names()
+    planted = """
+import operator
+def hooks(module, t, node):
+    module._parameters["w"] = t._version
+    return getattr(t, "_local_tensor"), operator.attrgetter("_backward_hooks"), node.name().startswith("CompiledFunction")
+class Sync:
+    def __init__(self, module):
+        self._buffers = []
+    def broadcast(self):
+        return self._buffers, self.module._buffers
+class Hooked(Sync):
+    def read(self):
+        return self._modules
+"""
+    assert sorted(private_torch_attributes(ast.parse(planted))) == [
+        "line 10: self.module._buffers", "line 13: self._modules", "line 4: module._parameters", "line 4: t._version",
+        "line 5: 'CompiledFunction'", "line 5: '_backward_hooks'", "line 5: '_local_tensor'",
+    ]  # fmt: skip
 
 
 def test_the_version_is_one_and_the_console_script_prints_it() -> None:

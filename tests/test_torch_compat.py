@@ -1,8 +1,11 @@
-"""The compat module across torch versions: the pinned torch 2.13 and the 2.11 build the GPU
-machines carry (where ``tests/test_cuda.py`` runs). Each older-torch branch is checked here
-on 2.13 by giving it the older API's shape."""
+"""The compat package across torch versions: the range it supports is pyproject's and the
+docs', and each older-torch branch (2.11, the build the GPU machines carry, where
+``tests/test_cuda.py`` runs) is checked here on 2.13 by giving it the older API's shape."""
 
 from __future__ import annotations
+
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from torch._inductor import custom_graph_pass
 
 import fxzero
 from fxzero import _torch_compat as compat
+from fxzero._torch_compat import inductor as compat_inductor
 
 from models import MLP
 
@@ -45,11 +49,11 @@ def test_older_torch_takes_one_post_grad_pass_and_a_users_own_is_refused(monkeyp
     """torch 2.11 has no ``get_custom_graph_passes`` and takes one pass: fxzero's alone, or an
     error naming the setting, never the user's pass silently dropped."""
     ours, user_pass = _CountingPass(), _CountingPass()
-    assert compat._chained(user_pass, ours) == (user_pass, ours)
+    assert compat_inductor._chained(user_pass, ours) == (user_pass, ours)
     monkeypatch.delattr(custom_graph_pass, "get_custom_graph_passes")
-    assert compat._chained(None, ours) is ours
+    assert compat_inductor._chained(None, ours) is ours
     with pytest.raises(RuntimeError, match=r"post_grad_custom_post_pass is set .*unset it, or use torch>=2.13"):
-        compat._chained(user_pass, ours)
+        compat_inductor._chained(user_pass, ours)
 
 
 def test_inductor_config_extra_gets_what_the_torch_version_takes() -> None:
@@ -60,5 +64,30 @@ def test_inductor_config_extra_gets_what_the_torch_version_takes() -> None:
 
     def old_style(config: object) -> None: ...
 
-    assert compat._config_extra_arg(new_style, gm) is gm
-    assert compat._config_extra_arg(old_style, gm) is inductor_config
+    assert compat_inductor._config_extra_arg(new_style, gm) is gm
+    assert compat_inductor._config_extra_arg(old_style, gm) is inductor_config
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _release(text: str) -> tuple[int, int]:
+    major, minor = re.match(r"(\d+)\.(\d+)", text).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+def test_the_supported_torch_range_is_pyprojects_and_the_docs_say_it() -> None:
+    """``TORCH_VERSIONS`` is pyproject's requirement, the README and CONTRIBUTING state it, the
+    torch running here is inside it, and every release the compat package names (its
+    version branches) lies inside it, the oldest included: a branch for a release outside the
+    range is dead code, and a range without its oldest release's branches a false promise."""
+    low, high = re.fullmatch(r">=(\d+\.\d+),<(\d+\.\d+)", compat.TORCH_VERSIONS).groups()  # type: ignore[union-attr]
+    inside = lambda release: _release(low) <= release < _release(high)  # noqa: E731
+    requirement = f"torch{compat.TORCH_VERSIONS}"
+    assert f'"{requirement}"' in (ROOT / "pyproject.toml").read_text()
+    assert f"`{requirement}`" in (ROOT / "README.md").read_text()
+    assert f"`{requirement}`" in (ROOT / "CONTRIBUTING.md").read_text()
+    assert inside(_release(torch.__version__))
+    parts = [path for path in Path(compat.__file__).parent.glob("*.py") if path.name != "__init__.py"]
+    named = {_release(m) for path in parts for m in re.findall(r"\b2\.\d+\b", path.read_text())}
+    assert named and all(map(inside, named)) and _release(low) in named

@@ -39,6 +39,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from .graph_id import GraphId
+from .._torch_compat import is_compiled_function_name
 from ..optim.gradients.grad_sync import GradSync
 from ..optim.gradients.grad_use import GradientUses, grad_accumulator
 from ..optim.gradients.ledger import Ledger
@@ -342,13 +343,13 @@ def backward_node(outputs: Any) -> Any:
     outputs = (outputs,) if isinstance(outputs, torch.Tensor) else outputs
     first = outputs[0] if outputs and isinstance(outputs[0], torch.Tensor) else None
     node = first.grad_fn if first is not None else None
-    if node is not None and type(node).__name__.startswith("CompiledFunction"):
+    if node is not None and is_compiled_function_name(type(node).__name__):
         return node  # the common case, what the walk below finds first: asked once per graph run
     nodes = [o.grad_fn for o in outputs if isinstance(o, torch.Tensor) and o.grad_fn is not None]
     frontier = nodes
     for _ in range(4):
         for node in frontier:
-            if node.name().startswith("CompiledFunction"):
+            if is_compiled_function_name(node.name()):
                 return node
         frontier = [n for node in frontier for n, _ in node.next_functions if n is not None]
     return nodes[0] if nodes else None

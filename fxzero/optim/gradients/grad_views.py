@@ -45,7 +45,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from ..._torch_compat import gradient_ops, plain_torch_function, storageless_like
+from ..._torch_compat import gradient_ops, plain_torch_function, storageless_like, tensor_is_view
 from .hand_grads import HandGrad, check_hand_grad
 from ..layout.param_table import ParamTable
 from .reduced_grads import ReducedGrads
@@ -132,9 +132,9 @@ _METADATA = frozenset(
     getattr(torch.Tensor, name)
     for name in (
         "size", "dim", "numel", "stride", "storage_offset", "is_contiguous", "is_floating_point", "is_complex",
-        "element_size", "_is_view", "is_conj", "is_neg", "untyped_storage", "get_device", "__len__",
+        "element_size", "is_conj", "is_neg", "untyped_storage", "get_device", "__len__",
     )
-)  # fmt: skip
+) | {tensor_is_view}  # fmt: skip
 _DATA = torch.Tensor.data.__get__
 _ACCUMULATE = torch.ops.aten.add_.Tensor
 """What autograd's AccumulateGrad runs on a ``.grad`` it adds a new gradient into."""

@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from ..._torch_compat import dtensor_local, is_dtensor, set_dtensor_local
+from ..._torch_compat import dtensor_local, is_dtensor, set_dtensor_local, view_base
 from ..communication.comm import DataParallelGroup
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def _alias(view: torch.Tensor) -> torch.Tensor:
     view`` leaves a plain param. A compiled graph's params reach its backward through the
     tensors AOTAutograd saves, and it saves a *view* detached (a new object each step), where
     fxzero finds the param by identity; a non-view input is saved as itself."""
-    if view._base is None:
+    if view_base(view) is None:
         return view
     with torch.no_grad():
         alias = torch.empty(0, dtype=view.dtype, device=view.device)

@@ -48,19 +48,16 @@ ParamSync only orders launches, waits and landings.
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Any, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
 
-from ..._torch_compat import profiler_enabled
+from ..._torch_compat import profiler_enabled, tensor_version
 from ..layout.buffers import Bucket
 from ..communication.comm import DataParallelGroup
 
 __all__ = ["Gather", "ParamSync", "PlainGather", "Publish", "as_words", "written_in_flight"]
-
-_VERSION = operator.attrgetter("_version")
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +205,7 @@ class ParamSync:
             return
         if self._leave_in_flight:
             self._copying = True
-            self._launched_versions = list(map(_VERSION, self._params))
+            self._launched_versions = list(map(tensor_version, self._params))
         else:
             self.finish()
 
@@ -248,7 +245,7 @@ class ParamSync:
         written). One C-level pass over the params' version counters; writes through
         ``p.data`` (a counter of its own) are found by value instead (:meth:`_find_writes`)."""
         launched, self._launched_versions = self._launched_versions, None
-        if launched != list(map(_VERSION, self._params)):
+        if launched != list(map(tensor_version, self._params)):
             raise RuntimeError(
                 "fxzero: a managed param was written in place after step() while the all-gathers that step launched "
                 "were in flight (Config.overlap_param_gather=True): the gather would overwrite the write. Call "

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..._torch_compat import dynamo_runs_eagerly_at_top_level
+from ..._torch_compat import dynamo_runs_eagerly_at_top_level, own_params
 from ..layout.buffers import Bucket
 from ..layout.param_table import ParamTable
 from .param_sync import ParamSync
@@ -93,7 +93,7 @@ class _WaitBeforeForward(_SyncHook):
         # marker puts a wait at the module's entry, for a forward that graph-breaks and runs
         # its rest eagerly (no pre-hook runs for that rest). See fxzero.compiled.ops.
         if torch.compiler.is_compiling():
-            torch.ops.fxzero.module_entered([p for p in module._parameters.values() if p is not None])
+            torch.ops.fxzero.module_entered(own_params(module))
             return
         if self.module() is not module:
             raise RuntimeError(
@@ -115,7 +115,7 @@ def install_param_waits(module: torch.nn.Module, table: ParamTable, sync: ParamS
     the hook handles. A copy or pickle of ``module`` gets inert hooks instead (:class:`_SyncHook`)."""
     owners = {}
     for sub in module.modules():
-        slots = [table.find(p) for p in sub._parameters.values()]
+        slots = [table.find(p) for p in own_params(sub)]
         owned = {table.bucket_of_slot[s] for s in slots if s is not None}
         if owned:
             owners[id(sub)] = (sub, tuple(sorted(owned, reverse=True)))

@@ -28,12 +28,11 @@ every ``step()``:
 from __future__ import annotations
 
 import logging
-import operator
 from typing import Sequence
 
 import torch
 
-from ..._torch_compat import dtensor_local, is_dtensor
+from ..._torch_compat import dtensor_local, is_dtensor, tensor_hooks
 from ..layout.mesh import local_of, rebind
 from .param_sync import Gather, as_words
 from ..layout.param_table import ParamTable
@@ -81,7 +80,7 @@ class ParamWatch:
         # one C-level pass each in the common case; the loop below only names the culprit
         if (
             list(map(torch.Tensor.data_ptr, self.params)) == self._pointers
-            and not any(map(_HOOKS, self.params))
+            and not any(map(tensor_hooks, self.params))
             and (not self._dtensor_params or list(map(torch.Tensor.data_ptr, map(dtensor_local, self._dtensor_params))) == self._local_pointers)
         ):
             return
@@ -93,7 +92,7 @@ class ParamWatch:
             if dtensor_local(param).data_ptr() != pointer and not _rebind_copy(param, self._views[slot], self._adopt):
                 raise RuntimeError(_moved_message(self.table.label(slot), param))
         for slot, param in enumerate(self.params):
-            if param._backward_hooks and self._compiled[slot]:
+            if tensor_hooks(param) and self._compiled[slot]:
                 raise RuntimeError(_late_hook_message(self.table.label(slot)))
 
     def adopt_outside_writes(self) -> None:
@@ -133,9 +132,6 @@ def _rebind_copy(param: torch.Tensor, view: torch.Tensor, adopt: bool) -> bool:
     log.info("a param moved to the device it was on is a view of the optimizer's flat buffer again")
     return True
 
-
-_HOOKS = operator.attrgetter("_backward_hooks")
-"""A param's tensor hooks (``None`` or a dict, true when it holds any), read in C."""
 
 
 def _moved_message(label: str, param: torch.Tensor) -> str:
