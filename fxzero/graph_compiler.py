@@ -11,7 +11,7 @@ counting wrapper lands that optimizer's gathers before each run instead. A
 one, a dump record: never an optimizer. At run time the ops find
 the optimizer through the params (:mod:`fxzero.compiled.binding`).
 
-Each run of the compiled forward tells the owners how many gradients its backward will
+Each run of the compiled forward tells the managers how many gradients its backward will
 deliver per bucket, tied to its autograd node (:func:`~fxzero.compiled.binding.counting_forward`,
 :mod:`fxzero.optim.gradients.ledger`). A managed param that has tensor hooks
 (``param.register_hook``) when its graph compiles keeps autograd's path in that graph's
@@ -36,7 +36,7 @@ from functorch.compile import default_partition, make_boxed_func
 
 from . import _torch_compat as compat
 from . import dump
-from .compiled.binding import counting_forward, owner_of
+from .compiled.binding import counting_forward, manager_of
 from .compiled.graph_id import GraphId
 from .passes import param_gather_wait, run_backward_passes, run_forward_passes, run_joint_passes
 from .passes.bucket_reduce_scatter import ManagedParam
@@ -65,7 +65,7 @@ class GraphCompiler:
         graph_id: GraphId,
     ) -> None:
         flat, self.num_inputs = compat.flat_input_positions(example_inputs)
-        self.owners = len(forward_waits)
+        self.managers = len(forward_waits)
         # A DTensor param's gradient keeps autograd's path (the eager post-accumulate hook
         # takes it, in its own placement): AOTAutograd rebuilds each gradient of a DTensor
         # input as a DTensor from the backward's outputs, and the hand-off's None there fails
@@ -76,10 +76,10 @@ class GraphCompiler:
         """Those whose gradients the backward hands to fxzero (flattened positions)."""
         self.dynamo_handed = handed
         """The same by Dynamo input position (what the compiled Dynamo graph is called with)."""
-        self.unwaited = frozenset(m.owner for m in handed if not forward_waits[m.owner])
-        """Owners whose gathers never overlap a forward: no wait in the graph, the counting
+        self.unwaited = frozenset(m.manager for m in handed if not forward_waits[m.manager])
+        """Managers whose gathers never overlap a forward: no wait in the graph, the counting
         wrapper checks instead that none is in flight (it runs on every call)."""
-        self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed if m.owner not in self.unwaited]
+        self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed if m.manager not in self.unwaited]
         """Managed params by AOTAutograd's flattened input position (what fxzero's passes
         index: a DTensor param is its local tensor there) that get a gather wait."""
         self.returned = frozenset(flat[m.position] for m in managed)
@@ -108,14 +108,14 @@ class GraphCompiler:
         """Find the managed params among ``example_inputs``; build a dumper only when a
         dump directory, ``TORCH_TRACE``, the ``fxzero`` INFO log or a recorder wants one."""
         graph_id = GraphId.of_this_compile()
-        owners, managed, forward_waits = managed_params(example_inputs)
+        managers, managed, forward_waits = managed_params(example_inputs)
         if not managed:
             _warn_if_unmanaged(example_inputs, graph_id)
         names = compat.dynamo_input_names(gm)
         hooked = _hooked_positions(example_inputs, managed, names)
         dumper = None
         if recorder is not None or dump.resolve_dump_dir(dump_dir) is not None or compat.tracing() or dump.log.isEnabledFor(logging.INFO):
-            dumper = dump.GraphDumper(dump_dir, owners, managed, names, example_inputs, recorder, graph_id)
+            dumper = dump.GraphDumper(dump_dir, managers, managed, names, example_inputs, recorder, graph_id)
         inductor = compat.InductorCompilers(gm, len(example_inputs)) if inner_compiler == "inductor" else None
         return cls(example_inputs, managed, forward_waits, hooked=frozenset(hooked), inductor=inductor, dumper=dumper, graph_id=graph_id)
 
@@ -144,12 +144,12 @@ class GraphCompiler:
         return self.inductor.backward(gm, example_inputs)
 
     def counting(self, compiled: Callable) -> Callable:
-        """The compiled Dynamo graph, telling each owner after every run which gradients
+        """The compiled Dynamo graph, telling each manager after every run which gradients
         the backward from its outputs will deliver."""
         if not self.handed and not self.unmanaged:
             return compiled
-        groups = [tuple(m.position for m in self.dynamo_handed if m.owner == o) for o in range(self.owners)]
-        unwaited = [group[0] for owner, group in enumerate(groups) if owner in self.unwaited]
+        groups = [tuple(m.position for m in self.dynamo_handed if m.manager == o) for o in range(self.managers)]
+        unwaited = [group[0] for manager, group in enumerate(groups) if manager in self.unwaited]
         # Dynamo disables the wrapper as it would ``compiled``: one disable layer per call, not two.
         return counting_forward(
             self.id, groups, lambda: self.delivered, compat.undisabled(compiled), unwaited=unwaited, unmanaged=self.unmanaged
@@ -179,18 +179,18 @@ def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[Manag
     """The optimizers owning params among ``example_inputs`` (first appearance first),
     those params, as each optimizer's ``runtime.binding`` describes them, and whether a forward must
     wait for each optimizer's gathers."""
-    owners: list[Any] = []
+    managers: list[Any] = []
     for value in example_inputs:
-        owner = owner_of(value)
-        if owner is not None and all(owner is not o for o in owners):
-            owners.append(owner)
-    bindings = [owner.runtime.binding.describe(example_inputs) for owner in owners]
+        manager = manager_of(value)
+        if manager is not None and all(manager is not o for o in managers):
+            managers.append(manager)
+    bindings = [manager.runtime.binding.describe(example_inputs) for manager in managers]
     managed = [
         ManagedParam(position, index, bucket, example_inputs[position].numel())
         for index, binding in enumerate(bindings)
         for position, bucket in zip(binding.positions, binding.buckets)
     ]
-    return owners, sorted(managed, key=lambda m: m.position), tuple(b.forward_waits for b in bindings)
+    return managers, sorted(managed, key=lambda m: m.position), tuple(b.forward_waits for b in bindings)
 
 
 def _hooked_positions(example_inputs: Sequence[Any], managed: Sequence[ManagedParam], names: Sequence[str]) -> set[int]:

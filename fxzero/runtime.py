@@ -46,7 +46,7 @@ import torch
 
 from . import _torch_compat as compat
 from . import torch_log
-from .compiled.binding import GraphBinding, OwnerRef
+from .compiled.binding import GraphBinding, ManagerRef
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.communication.comm import DataParallelGroup, settle
@@ -151,11 +151,11 @@ class Runtime:
 
 
 def build_runtime(
-    owner: torch.optim.Optimizer, config: Config, dp: DataParallelGroup, table: ParamTable, buffers: Sequence[ParamAndGradBuffer],
+    manager: torch.optim.Optimizer, config: Config, dp: DataParallelGroup, table: ParamTable, buffers: Sequence[ParamAndGradBuffer],
     *, mesh_params: MeshParams, module: Optional[torch.nn.Module], optimizer_class: type[torch.optim.Optimizer],
     kwargs: dict[str, Any], whole_params: bool, first: bool,
 ) -> Runtime:  # fmt: skip
-    """Assemble the parts over ``buffers`` and ``table`` for ``owner`` (the DistributedOptimizer:
+    """Assemble the parts over ``buffers`` and ``table`` for ``manager`` (the DistributedOptimizer:
     the params point back at it weakly, and its collection tears the hooks down). ``first``: at
     construction, not for a group added later; module buffers are synced from rank 0 then."""
     from .compiled import ops  # defines the fxzero:: ops its hooks and compiled graphs call: on first use, not on import
@@ -182,7 +182,7 @@ def build_runtime(
     reductions = GradReductions(buckets, dp, ledger, described=described, before_grad_write=before_grad_write,
                                 divide_factor=config.gradient_divide_factor)  # fmt: skip
     shards, fragments = build_shards(buffers, table, dp.rank, separate_mains=config.mxfp8_param_gather)
-    local = _local_optimizer(optimizer_class, kwargs, owner.param_groups, table, fragments)
+    local = _local_optimizer(optimizer_class, kwargs, manager.param_groups, table, fragments)
     update = FlatUpdate(local, fragments, [table.rows[f.slot].group for f in fragments],
                         [table.bucket_of_slot[f.slot] for f in fragments], kwargs, bucket_count=len(buckets))  # fmt: skip
     publish = Publish(param_sync, [shard.main for shard in sorted(shards, key=lambda shard: shard.bucket.index)])
@@ -190,10 +190,10 @@ def build_runtime(
     reduced = ReducedGrads(ledger, reductions, shards, fragments, dp, mesh_params.norms(len(table.params), table.params[0].device),
                            param_sync.take_written)  # fmt: skip
     param_watch = ParamWatch(table, shards, gather, dp.rank, ledger.compiled, adopt_copies=not overlap)
-    grad_views = GradViews(table, reduced, param_watch.check, reset=_weakly(owner.zero_grad))
+    grad_views = GradViews(table, reduced, param_watch.check, reset=_weakly(manager.zero_grad))
     grad_sync = GradSync(table.params, ledger, reductions, before_grad_write=before_grad_write, after_backward=grad_views.install,
                          reset_if_cleared=grad_views.reset_if_cleared, local_grads=mesh_params.dtensor_slots)  # fmt: skip
-    state = ShardedState(dp=dp, table=table, param_groups=owner.param_groups, buffers=buffers, shards=shards, fragments=fragments,
+    state = ShardedState(dp=dp, table=table, param_groups=manager.param_groups, buffers=buffers, shards=shards, fragments=fragments,
                          local=local, mesh_params=mesh_params, timeout=config.state_dict_timeout, finish_gathers=param_sync.finish,
                          publish_and_gather=publish.all)  # fmt: skip
     runtime = Runtime(
@@ -204,7 +204,7 @@ def build_runtime(
         grad_views=grad_views, grad_sync=grad_sync, binding=GraphBinding(table, ledger, grad_sync, param_sync), sharded_state=state,
         reuse_grad_buffer=reuse,
     )
-    _attach(owner, runtime, table, module)
+    _attach(manager, runtime, table, module)
     return runtime
 
 
@@ -230,24 +230,24 @@ def _by_bucket(stepwise: bool, optimizer_class: type, param_sync: ParamSync, pub
     return ByBucket(param_sync.order, publish)
 
 
-def _attach(owner: torch.optim.Optimizer, runtime: Runtime, table: ParamTable, module: Optional[torch.nn.Module]) -> None:
-    """Point the params at ``owner``, install the hooks, and tie their removal to ``owner``'s life."""
+def _attach(manager: torch.optim.Optimizer, runtime: Runtime, table: ParamTable, module: Optional[torch.nn.Module]) -> None:
+    """Point the params at ``manager``, install the hooks, and tie their removal to ``manager``'s life."""
     for slot, param in enumerate(table.params):
-        param._fxzero_owner = OwnerRef(owner)
+        param._fxzero_manager = ManagerRef(manager)
         if slot in runtime.mesh_params.dtensor_slots:  # compiled graphs see its local tensor
             local = local_of(param)
-            local._fxzero_owner = OwnerRef(owner)  # the param table maps it to its slot
+            local._fxzero_manager = ManagerRef(manager)  # the param table maps it to its slot
     teardown = runtime.teardown
     # runs when the optimizer is collected and at interpreter exit: no collective dies mid-flight
-    teardown.append(weakref.finalize(owner, _settle_in_flight, runtime.reductions, runtime.param_sync))
+    teardown.append(weakref.finalize(manager, _settle_in_flight, runtime.reductions, runtime.param_sync))
     runtime.grad_sync.install_hooks()
-    teardown.append(weakref.finalize(owner, runtime.grad_sync.remove_hooks))
-    teardown.append(weakref.finalize(owner, runtime.grad_views.remove))
+    teardown.append(weakref.finalize(manager, runtime.grad_sync.remove_hooks))
+    teardown.append(weakref.finalize(manager, runtime.grad_views.remove))
     if module is not None:
         handles = [*install_param_waits(module, table, runtime.param_sync), module.register_forward_pre_hook(refuse_ddp)]
-        teardown.append(weakref.finalize(owner, _remove_handles, handles))
+        teardown.append(weakref.finalize(manager, _remove_handles, handles))
         # Accelerate's and Trainer's accumulation look for model.no_sync
-        teardown.append(weakref.finalize(owner, install_no_sync(module, runtime.grad_sync.no_sync)))
+        teardown.append(weakref.finalize(manager, install_no_sync(module, runtime.grad_sync.no_sync)))
 
 
 def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:

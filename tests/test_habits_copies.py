@@ -21,7 +21,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from torch.profiler import ProfilerActivity, profile
 
 import fxzero
-from fxzero.compiled.binding import owner_of
+from fxzero.compiled.binding import manager_of
 from fxzero.testing import run_ranks
 
 warnings.filterwarnings("ignore", message="fxzero: this compiled graph")
@@ -118,7 +118,7 @@ def _plain_copy(copied: torch.nn.Module, reference: torch.nn.Module, opt: fxzero
         module(x).square().mean().backward()
     return {
         "grads": [torch.equal(p.grad, q.grad) for p, q in zip(copied.parameters(), reference.parameters())],
-        "owners": [owner_of(p) for p in copied.parameters()],
+        "managers": [manager_of(p) for p in copied.parameters()],
         "opt_grads_untouched": all(not b.grad_data.any() for b in opt.runtime.buckets),
     }
 
@@ -133,7 +133,7 @@ def test_deepcopy_averaged_model_and_torch_save_of_a_managed_model_are_plain_cur
             _assert_equal(ours, theirs)
             assert torch.equal(ours_out, theirs_out)
         assert all(result["plain"]["grads"]), result["plain"]
-        assert result["plain"]["owners"] == [None] * 6
+        assert result["plain"]["managers"] == [None] * 6
         assert result["plain"]["opt_grads_untouched"]
 
 

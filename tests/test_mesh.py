@@ -37,7 +37,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 import fxzero
-from fxzero.compiled.binding import owner_of
+from fxzero.compiled.binding import manager_of
 from fxzero.optim.layout.mesh import local_of
 from fxzero.testing import run_ranks
 
@@ -391,10 +391,10 @@ def _issue_repro(state_sharding: str) -> dict[str, Any]:
     params = max(float((a.full_tensor() - b).abs().max()) for a, b in zip(model.parameters(), ref.parameters()))
     # what the optimizer leaves on its DTensor params' local tensors, alive and once gone
     locals_ = [local_of(p) for p in model.parameters()]
-    alive = [(hasattr(t, "_fxzero_slot"), owner_of(t) is opt) for t in locals_]
+    alive = [(hasattr(t, "_fxzero_slot"), manager_of(t) is opt) for t in locals_]
     del opt, result
     gc.collect()
-    marks = dict(alive=alive, gone=[(hasattr(t, "_fxzero_slot"), owner_of(t)) for t in locals_])
+    marks = dict(alive=alive, gone=[(hasattr(t, "_fxzero_slot"), manager_of(t)) for t in locals_])
     return dict(gaps=gaps, params=params, dtensors=all(isinstance(p, DTensor) for p in model.parameters()), marks=marks)
 
 
@@ -404,7 +404,7 @@ def test_issue_repro_on_a_1x1_mesh_trains_like_adamw(state_sharding: str) -> Non
     dim of size 1 is the whole param, so whole-param ownership serves it exactly too)."""
     (result,) = run_ranks(1, _issue_repro, state_sharding)
     assert result["dtensors"]
-    # the local tensors carry no slot (the param table maps them), and no live owner once the optimizer is gone
+    # the local tensors carry no slot (the param table maps them), and no live manager once the optimizer is gone
     assert result["marks"] == {"alive": [(False, True)] * 4, "gone": [(False, None)] * 4}, result["marks"]
     assert max(result["gaps"]) <= 1e-6 and result["params"] <= 1e-6, result
 

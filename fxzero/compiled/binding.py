@@ -3,7 +3,7 @@
 A compiled graph is plain code: it knows which of its inputs are managed params (by
 position) and where its passes put the ops, nothing else. Each op call carries the params
 themselves as graph values; the runtime finds their optimizer through the param
-(``param._fxzero_owner``, a weakref) and asks its :class:`GraphBinding`. So:
+(``param._fxzero_manager``, a weakref) and asks its :class:`GraphBinding`. So:
 
 * a compiled graph keeps no optimizer alive; a dropped optimizer's buffers are freed;
 * one compiled graph serves every param set Dynamo reuses it for (identical blocks of a
@@ -46,13 +46,13 @@ from ..optim.gradients.ledger import Ledger
 from ..optim.params.param_sync import ParamSync
 from ..optim.layout.param_table import ParamTable
 
-__all__ = ["GraphBinding", "InputBinding", "OwnerRef", "backward_node", "binding_of", "counting_forward", "identity", "owner_of"]
+__all__ = ["GraphBinding", "InputBinding", "ManagerRef", "backward_node", "binding_of", "counting_forward", "identity", "manager_of"]
 
 
-class OwnerRef(weakref.ref):
-    """``param._fxzero_owner``: a weakref to the optimizer managing the param. A pickled
+class ManagerRef(weakref.ref):
+    """``param._fxzero_manager``: a weakref to the optimizer managing the param. A pickled
     param (``torch.save(model)``, or a plain tensor's ``deepcopy``, which copies its
-    ``__dict__``) is a copy no optimizer manages: it loads with ``_fxzero_owner = None``.
+    ``__dict__``) is a copy no optimizer manages: it loads with ``_fxzero_manager = None``.
     (``Parameter.__deepcopy__`` copies no attribute at all.)"""
 
     __slots__ = ()
@@ -65,27 +65,27 @@ def _no_owner() -> None:
     return None
 
 
-def owner_of(param: Any) -> Any:
+def manager_of(param: Any) -> Any:
     """The live :class:`~fxzero.DistributedOptimizer` managing ``param``, or None."""
-    ref = getattr(param, "_fxzero_owner", None)
+    ref = getattr(param, "_fxzero_manager", None)
     return ref() if ref is not None else None
 
 
 def binding_of(param: torch.Tensor) -> "GraphBinding":
     """The binding of ``param``'s optimizer; a clear error when it has none any more, or
     when ``param`` is not a managed param at all (a compiler's copy of one). Every op call
-    asks it: :func:`owner_of`, inlined."""
-    ref = getattr(param, "_fxzero_owner", None)
-    owner = ref() if ref is not None else None
-    if owner is None:
-        if not hasattr(param, "_fxzero_owner"):
+    asks it: :func:`manager_of`, inlined."""
+    ref = getattr(param, "_fxzero_manager", None)
+    manager = ref() if ref is not None else None
+    if manager is None:
+        if not hasattr(param, "_fxzero_manager"):
             raise RuntimeError(not_a_param_message(param))
         raise RuntimeError(
             f"fxzero: a compiled graph reads a param of shape {tuple(param.shape)}, which was compiled for a fxzero.DistributedOptimizer "
             "that no longer exists. Build a new DistributedOptimizer over the model's params (the compiled graphs "
             "use it), or call torch.compiler.reset() and compile again to train without fxzero."
         )
-    return owner.runtime.binding
+    return manager.runtime.binding
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,7 +174,7 @@ class GraphBinding:
     def _slot(self, param: Any) -> int:
         slot = self.table.find(param)
         if slot is None:
-            if not hasattr(param, "_fxzero_owner"):
+            if not hasattr(param, "_fxzero_manager"):
                 raise RuntimeError(not_a_param_message(param))
             raise RuntimeError(
                 f"fxzero: param of shape {tuple(param.shape)} reached an optimizer that does not manage it "
@@ -217,9 +217,9 @@ class GraphBinding:
             slots = [self._slot(params[i]) for i in indices]
             consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
             span = slice(slots[0], slots[0] + len(slots)) if consecutive else None
-            owners = [self.table.params[slot] for slot in slots]  # a DTensor's, for its local tensor
-            main_grads = [param.main_grad for param in owners]
-            nodes = tuple(grad_accumulator(param) for param in owners)
+            managers = [self.table.params[slot] for slot in slots]  # a DTensor's, for its local tensor
+            main_grads = [param.main_grad for param in managers]
+            nodes = tuple(grad_accumulator(param) for param in managers)
             labels = tuple(self.table.label(slot) for slot in slots)
             groups.append(_Group(bucket, None if whole else tuple(indices), main_grads, torch.tensor(slots), span, nodes, labels))
         return tuple(groups)
@@ -279,7 +279,7 @@ def counting_forward(
     unmanaged: Sequence[int] = (),
 ) -> Callable[..., Any]:
     """Wrap a compiled Dynamo graph so that each run that builds an autograd graph tells
-    the owner of each group of ``positions`` (one per optimizer) which gradients its
+    the manager of each group of ``positions`` (one per optimizer) which gradients its
     backward will deliver (``delivered()``: known once the graph is partitioned).
     ``unwaited``: the position of one param of each optimizer the graph has no wait for;
     before each run their optimizers land any gather still in flight
@@ -307,7 +307,7 @@ def counting_forward(
     return run
 
 
-_OWNER_ATTRIBUTE = itertools.repeat("_fxzero_owner")
+_OWNER_ATTRIBUTE = itertools.repeat("_fxzero_manager")
 
 
 def _land_adopted(graph: GraphId, params: Sequence[Any]) -> None:
@@ -315,16 +315,16 @@ def _land_adopted(graph: GraphId, params: Sequence[Any]) -> None:
     managed now: their gathers get no wait in it, so every bucket is landed before it runs,
     and their gradients take autograd's path to the optimizer's hooks. Exact, not overlapped.
     (Python's warning registry shows the warning once per graph.)"""
-    owners = {id(o): o for o in map(owner_of, params) if o is not None}
-    if owners:
+    managers = {id(o): o for o in map(manager_of, params) if o is not None}
+    if managers:
         warnings.warn(
             f"fxzero: compiled graph {graph} read params of a DistributedOptimizer before the optimizer existed; it "
             "runs without in-graph waits and gradient hand-offs (exact, slower). Build the optimizer before the "
             "first compiled call, or call torch.compiler.reset() after building it.",
             stacklevel=3,
         )
-    for owner in owners.values():
-        owner.runtime.binding.land_all()
+    for manager in managers.values():
+        manager.runtime.binding.land_all()
 
 
 def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ...]]:

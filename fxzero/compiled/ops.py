@@ -48,7 +48,7 @@ from typing import Any
 import torch
 
 from .._torch_compat import dtensor_local, is_dtensor, register_ordered_effect
-from .binding import binding_of, owner_of
+from .binding import binding_of, manager_of
 
 __all__ = ["grads_ready", "module_entered", "wait_params"]
 
@@ -72,7 +72,7 @@ def grads_ready(grads: list[torch.Tensor], params: list[torch.Tensor]) -> torch.
 
 def module_entered(params: list[torch.Tensor]) -> None:
     """Make a module's managed params current (its frozen or unmanaged params are skipped)."""
-    managed = [p for p in params if owner_of(p) is not None]
+    managed = [p for p in params if manager_of(p) is not None]
     if managed:
         binding_of(managed[0]).wait(managed)
 

@@ -43,7 +43,7 @@ class Graph:
     """One Dynamo graph (one param binding of it): what fxzero knew and what it made."""
 
     dumper: GraphDumper
-    """Its owners, managed params (by forward position) and Dynamo input names."""
+    """Its managers, managed params (by forward position) and Dynamo input names."""
     parts: dict[str, Recorded] = dataclasses.field(default_factory=dict)
 
     @property

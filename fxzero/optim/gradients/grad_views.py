@@ -116,12 +116,12 @@ class ShardedGrad(torch.Tensor):
         zeroed it): if every view was dropped or zeroed, the step starts over and the param's
         ``.grad`` becomes ``new``, which its post-accumulate hook then moves into the buffer."""
         views = self._views()
-        if views is None or not self._owner().zeroed[self._slot] or not views.reset_if_cleared():
+        if views is None or not self._reduced().zeroed[self._slot] or not views.reset_if_cleared():
             return False
         views.params[self._slot].grad = new
         return True
 
-    def _owner(self) -> ReducedGrads:
+    def _reduced(self) -> ReducedGrads:
         grads = self._grads()
         if grads is None:
             raise RuntimeError(f"fxzero: {self._label()}, and its optimizer no longer exists")
@@ -149,18 +149,18 @@ def _first_view(items: Any) -> ShardedGrad:
     raise TypeError("no ShardedGrad among the arguments")
 
 
-def _owner_and_slots(view: ShardedGrad) -> tuple[ReducedGrads, list[int]]:
-    return view._owner(), [view._slot]
+def _reduced_and_slots(view: ShardedGrad) -> tuple[ReducedGrads, list[int]]:
+    return view._reduced(), [view._slot]
 
 
-def _by_owner(tensors: Sequence[Any], positions: Sequence[int]) -> list[tuple[ReducedGrads, list[int], list[int]]]:
+def _by_reduced(tensors: Sequence[Any], positions: Sequence[int]) -> list[tuple[ReducedGrads, list[int], list[int]]]:
     """The views at ``positions`` grouped by the optimizer holding them: (its gradients, their
     positions, their slots) per optimizer. One model's params may belong to several optimizers
     (Muon over the matrices, AdamW over the rest), and torch's ``foreach`` paths
     (``clip_grad_norm_`` on CUDA) pass all of a device's gradients in one list."""
     groups: dict[int, tuple[ReducedGrads, list[int], list[int]]] = {}
     for i in positions:
-        grads = tensors[i]._owner()
+        grads = tensors[i]._reduced()
         _, where, slots = groups.setdefault(id(grads), (grads, [], []))
         where.append(i)
         slots.append(tensors[i]._slot)
@@ -182,7 +182,7 @@ def _whole(view: ShardedGrad, dim: Any) -> None:
 
 def _vector_norm(view: ShardedGrad, ord: Any = 2, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> torch.Tensor:
     _whole(view, dim)
-    grads, slots = _owner_and_slots(view)
+    grads, slots = _reduced_and_slots(view)
     return _norm_tensor(view, grads.norms(slots, _order(ord))[0])
 
 
@@ -202,7 +202,7 @@ def _split(tensors: Sequence[Any]) -> tuple[list[int], list[int]]:
 def _foreach_norm(tensors: Sequence[Any], ord: Any = 2, dtype: Any = None) -> list[torch.Tensor]:
     views, plain = _split(tensors)
     out: list[Any] = [None] * len(tensors)
-    for grads, where, slots in _by_owner(tensors, views):
+    for grads, where, slots in _by_reduced(tensors, views):
         for i, value in zip(where, grads.norms(slots, _order(ord))):
             out[i] = _norm_tensor(tensors[i], value)
     if plain:
@@ -220,13 +220,13 @@ def _factor(view: ShardedGrad, other: Any) -> float:
 
 
 def _mul_(view: ShardedGrad, other: Any) -> ShardedGrad:
-    grads, slots = _owner_and_slots(view)
+    grads, slots = _reduced_and_slots(view)
     grads.scale(slots, _factor(view, other))
     return view
 
 
 def _div_(view: ShardedGrad, other: Any) -> ShardedGrad:
-    grads, slots = _owner_and_slots(view)
+    grads, slots = _reduced_and_slots(view)
     grads.scale(slots, 1.0 / _factor(view, other))
     return view
 
@@ -239,7 +239,7 @@ def _foreach_scaling(op: str, invert: bool) -> Callable[[Sequence[Any], Any], No
         per_tensor = isinstance(other, (list, tuple))
         if plain:
             _OPS[op]([tensors[i] for i in plain], [other[i] for i in plain] if per_tensor else other)
-        for grads, where, slots in _by_owner(tensors, views):
+        for grads, where, slots in _by_reduced(tensors, views):
             factors = [_factor(tensors[i], other[i] if per_tensor else other) for i in where]
             factors = [1.0 / f for f in factors] if invert else factors
             if per_tensor:
@@ -252,7 +252,7 @@ def _foreach_scaling(op: str, invert: bool) -> Callable[[Sequence[Any], Any], No
 
 
 def _zero_(view: ShardedGrad) -> ShardedGrad:
-    grads, slots = _owner_and_slots(view)
+    grads, slots = _reduced_and_slots(view)
     grads.zero(slots)
     return view
 
@@ -267,7 +267,7 @@ def _unscale(tensors: Sequence[Any], found_inf: torch.Tensor, inv_scale: torch.T
     views, plain = _split(tensors)
     if plain:
         _OPS["amp_unscale"]([tensors[i] for i in plain], found_inf, inv_scale)
-    for grads, _, slots in _by_owner(tensors, views):
+    for grads, _, slots in _by_reduced(tensors, views):
         if not all(math.isfinite(n) for n in grads.norms(slots)):
             found_inf.fill_(1.0)
         grads.scale(slots, float(inv_scale))

@@ -8,8 +8,8 @@ label errors use, its param group and its bucket. Lookups by param go through
 :meth:`ParamTable.find`, which confirms the whole identity (``id`` *and* ``is``), so a
 tensor that merely shares an id with a dead param is never taken for it.
 
-Nothing is written on the user's params for fxzero's bookkeeping except the owner
-reference (``_fxzero_owner``) that compiled graphs' ops use to reach their optimizer (on a
+Nothing is written on the user's params for fxzero's bookkeeping except the manager
+reference (``_fxzero_manager``) that compiled graphs' ops use to reach their optimizer (on a
 DTensor param's local tensor too, what compiled graphs see of it). A DTensor param's local
 tensor is found by this table's own map, not by a mark on the tensor, so nothing of a dead
 optimizer's layout stays on the user's tensors.
@@ -71,12 +71,12 @@ class ParamTable:
         groups: Sequence[dict[str, Any]],
         names: dict[int, str],
         bucket_of: dict[int, int],
-        owner_of: Optional[dict[int, int]] = None,
+        manager_of: Optional[dict[int, int]] = None,
     ) -> "ParamTable":
-        """Rows for ``groups``' params in group order; ``names``, ``bucket_of`` and ``owner_of``
+        """Rows for ``groups``' params in group order; ``names``, ``bucket_of`` and ``manager_of``
         are keyed by ``id(param)`` (of params held alive by ``groups``)."""
         pairs = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
-        owners = owner_of or {}
+        owners = manager_of or {}
         rows = [ParamRow(slot, p, names.get(id(p)), g, bucket_of[id(p)], owners.get(id(p))) for slot, (g, p) in enumerate(pairs)]
         return cls(rows, num_groups=len(groups))
 

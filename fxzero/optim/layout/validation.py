@@ -116,8 +116,8 @@ def _check_param(param: torch.Tensor, where: str, device: torch.device, adding_t
         )
     if param.device != device:
         raise ValueError(f"{where} is on {param.device} but other params are on {device}; use one device")
-    owner = getattr(param, "_fxzero_owner", None)
-    if owner is not None and owner() is not None and owner() is not adding_to:
+    manager = getattr(param, "_fxzero_manager", None)
+    if manager is not None and manager() is not None and manager() is not adding_to:
         raise ValueError(f"{where} is already managed by another fxzero.DistributedOptimizer")
 
 
