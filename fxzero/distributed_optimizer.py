@@ -43,7 +43,7 @@ from .optim.layout.param_table import ParamTable
 from .optim.layout.validation import check_leaves, check_param_groups_kept, resolve_state_sharding
 from .optim.state.added_groups import carried_over, pending_gradients
 from .optim.state.rank_state import RankState
-from .optim.state.state_dict import NOT_HYPERPARAMETERS
+from .optim.state.state_dict import copy_hyperparameters
 from .optim.update.step_result import StepResult, warn_no_gradients
 from .runtime import Runtime, build_runtime
 
@@ -241,9 +241,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         key of each group, not only the class's defaults, since an optimizer may read a
         group key it has no default for."""
         for group, local_group in zip(self.param_groups, local.param_groups):
-            for name, value in group.items():
-                if name not in NOT_HYPERPARAMETERS:
-                    local_group[name] = value
+            copy_hyperparameters(group, local_group)
 
     def start_param_sync(self) -> None:
         """Gather every bucket's updated shard from its pre-made view: with

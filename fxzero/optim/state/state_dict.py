@@ -18,6 +18,7 @@ __all__ = [
     "NOT_HYPERPARAMETERS",
     "STATE_FORMAT",
     "check_state_dict",
+    "copy_hyperparameters",
     "consolidated_state",
     "is_elementwise_state",
     "hyperparameters",
@@ -73,6 +74,22 @@ NOT_HYPERPARAMETERS = frozenset(("params", "param_names"))
 def hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     """A param group without its params (and their names)."""
     return {k: v for k, v in group.items() if k not in NOT_HYPERPARAMETERS}
+
+
+def copy_hyperparameters(source: dict[str, Any], target: dict[str, Any]) -> None:
+    """Give ``target`` (a wrapped optimizer's param group) ``source``'s hyperparameters, as
+    an LR scheduler left them. A value ``target`` holds as a tensor stays that tensor and
+    takes a number by ``fill_``: torchao's low-bit optimizers keep ``lr`` as a tensor and
+    refuse a step whose ``lr`` was replaced by a number ("lr was changed to a non-Tensor
+    object"); a tensor ``source`` hands over itself replaces it, as torch.optim would."""
+    for name, value in source.items():
+        if name in NOT_HYPERPARAMETERS:
+            continue
+        held = target.get(name)
+        if isinstance(held, torch.Tensor) and not isinstance(value, torch.Tensor):
+            held.fill_(value)
+        else:
+            target[name] = value
 
 
 def is_plain_state_dict(state_dict: Any) -> bool:

@@ -44,7 +44,7 @@ import torch
 from ... import _torch_compat as compat
 from .bucketed_update import BucketParts, step_each_bucket
 from ..layout.shards import FragmentTensor
-from ..state.state_dict import NOT_HYPERPARAMETERS, hyperparameters
+from ..state.state_dict import copy_hyperparameters, hyperparameters
 from ..layout.validation import ELEMENTWISE_OPTIMIZERS
 
 __all__ = ["MAX_RUN_NUMEL", "ByBucket", "FlatUpdate", "Place", "Run", "flat_update_applies", "plan_runs"]
@@ -223,9 +223,7 @@ class FlatUpdate:
         """The twin's groups take the wrapped optimizer's values (an LR scheduler's, too)."""
         groups = self.local.param_groups
         for index, twin in self._twin_groups:
-            for name, value in groups[index].items():
-                if name not in NOT_HYPERPARAMETERS:
-                    twin[name] = value
+            copy_hyperparameters(groups[index], twin)
 
     # ---- homing -----------------------------------------------------------------
     def _home(self) -> bool:
