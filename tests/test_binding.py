@@ -280,6 +280,6 @@ def test_a_wait_with_no_stale_bucket_looks_nothing_up() -> None:
             m(x).square().mean().backward()
             o.step()
             o.zero_grad()
-    assert opt.runtime.param_sync.stale == 0 and opt.runtime.binding._wait_buckets == {}
+    assert opt.runtime.param_sync.stale == 0 and opt.runtime.binding.waits_looked_up == 0
     for a, b in zip(model.parameters(), reference.parameters()):
         assert torch.equal(a, b)

@@ -159,6 +159,11 @@ class GraphBinding:
         self._counts: dict[tuple[GraphId, tuple[int, ...]], list[tuple[int, int]]] = {}
         self.uses = GradientUses()
 
+    @property
+    def waits_looked_up(self) -> int:
+        """Param sets whose buckets a wait has looked up (and cached): 0 while no wait had to."""
+        return len(self._wait_buckets)
+
     # ---- compile time -------------------------------------------------------------
     def describe(self, inputs: Sequence[Any]) -> InputBinding:
         """This optimizer's params among ``inputs`` (a graph's example inputs)."""

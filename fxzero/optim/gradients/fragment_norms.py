@@ -106,6 +106,11 @@ class FragmentNorms:
         self.order: tuple[int, ...] = tuple(i for run in runs for i in run.fragments) if runs else tuple(range(len(grads)))
         """Fragment index of each entry of the output vector."""
 
+    @property
+    def calls(self) -> int:
+        """Norm calls per step on the runs' path (one per run); 0: one ``_foreach_norm`` instead."""
+        return len(self._views)
+
     def compute(self) -> torch.Tensor:
         """Each fragment's L2 norm, in :attr:`order`."""
         if self._views:

@@ -71,8 +71,9 @@ class ReducedGrads:
         self._shard_grads = [s.main_grad for s in shards]
         self._slot_list = [f.slot for f in fragments]
         self._slots = torch.tensor(self._slot_list, dtype=torch.int64, device=device)
-        self._fragment_norms = FragmentNorms(self._grads)
-        measured = [self._slot_list[i] for i in self._fragment_norms.order]
+        self.fragment_norms = FragmentNorms(self._grads)
+        """Each fragment's gradient norm, per run of adjacent fragments (:mod:`.fragment_norms`)."""
+        measured = [self._slot_list[i] for i in self.fragment_norms.order]
         self._measured_slots = torch.tensor(measured, dtype=torch.int64, device=device)
         """The slot of each fragment norm, in the order :class:`FragmentNorms` writes them."""
         self._of_slot: list[list[FragmentTensor]] = [[] for _ in range(n)]
@@ -133,7 +134,7 @@ class ReducedGrads:
         found = self._written() if self._written is not None else None
         if found is not None:
             raise written_in_flight(found, 1)
-        norms = self._fragment_norms.compute().tolist()
+        norms = self.fragment_norms.compute().tolist()
         self._got = list(map(float, self.ledger.presence))  # got: a count of ranks, 0.0 for none
         self._squares = list(place(list(map(operator.mul, norms, norms))))
 
@@ -143,7 +144,7 @@ class ReducedGrads:
         if self._grads:
             # per-fragment norms in fp32 (as clip_grad_norm_ does; fp64 elements cost 16x), squared
             # and summed per param in fp64
-            squares.zero_().index_add_(0, self._measured_slots, self._fragment_norms.compute().double().square())
+            squares.zero_().index_add_(0, self._measured_slots, self.fragment_norms.compute().double().square())
         else:
             squares.zero_()
         found = self._written() if self._written is not None else None
