@@ -63,7 +63,9 @@ class Config:
     grad_dtype: Optional[torch.dtype] = torch.float32
     """dtype of the flat gradient buffer (``main_grad``). ``None`` means the param's own
     dtype. fp32 (the default) accumulates and reduces gradients without rounding loss;
-    bf16/fp16 halve the reduce-scatter bytes."""
+    bf16/fp16 halve the reduce-scatter bytes. With them, gloo's all-to-all reduction (the
+    default on gloo) sums each shard's copies in fp32 and rounds once; NCCL's reduce-scatter
+    sums in its own kernels."""
 
     clip_grad: Optional[float] = None
     """Clip gradients to this global L2 norm (over all ranks' shards, padding excluded,

@@ -133,9 +133,10 @@ def test_exchange_scratch_is_its_slots_whatever_the_bucket_sizes() -> None:
     buckets, small = _exchange(4, 2, chunk_bytes=256)
     largest = max(b.grad_data.nbytes for b in buckets)
     assert largest > 2 * 3 * 256  # the old receive buffers: two of the largest bucket
-    assert small.nbytes == 2 * 3 * 256  # slots x (dp - 1) rows x chunk bytes
+    wide = 256 // 2 * 4  # bf16 grads: the fp32 accumulator of one chunk
+    assert small.nbytes == 2 * 3 * 256 + wide  # slots x (dp - 1) rows x chunk bytes
     _, one_slot = _exchange(4, 2, chunk_bytes=256, slots=1)
-    assert one_slot.nbytes == 3 * 256
+    assert one_slot.nbytes == 3 * 256 + wide
     with pytest.raises(ValueError, match="slots"):
         _exchange(4, 2, chunk_bytes=256, slots=0)
 
@@ -174,6 +175,24 @@ def test_exchange_sums_in_rank_order_in_place() -> None:
         _sum_in_rank_order(own, rows, before=rank)
         assert own.item() == expected.item(), rank
     assert ((copies[0] + copies[2]) + (copies[1] + copies[3])).item() != expected.item()  # the order matters
+
+
+def test_16_bit_gradients_are_summed_in_fp32_and_rounded_once() -> None:
+    """bf16 copies of 4 ranks: the exchange's sum is the fp32 sum in rank order rounded once to
+    bf16, closer to the exact sum than a chain of bf16 additions, whose error grows with ranks."""
+    from fxzero.optim.gradients.grad_exchange import _sum_in_rank_order
+
+    copies = [torch.randn(4096, generator=torch.Generator().manual_seed(q)).to(torch.bfloat16) for q in range(4)]
+    exact = sum(c.double() for c in copies)
+    wide = torch.empty(4096, dtype=torch.float32)
+    for rank in range(4):
+        own, rows = copies[rank].clone(), [copies[q].clone() for q in range(4) if q != rank]
+        chained = own.clone()
+        _sum_in_rank_order(chained, [r.clone() for r in rows], before=rank)
+        _sum_in_rank_order(own, rows, before=rank, wide=wide)
+        in_order = ((copies[0].float() + copies[1].float()) + copies[2].float()) + copies[3].float()
+        assert torch.equal(own, in_order.to(torch.bfloat16)), rank
+        assert (own.double() - exact).abs().sum() < (chained.double() - exact).abs().sum(), rank
 
 
 class _TinyParams(torch.nn.Module):

@@ -22,7 +22,12 @@ of its program:
 * :meth:`complete_all` (the step) issues what is still owed and retires everything.
 
 **Sums** are in rank order, as a single all-to-all's ``rows[0] + rows[1] + ...`` would be,
-in place in this rank's shard (float addition commutes: ``own + acc == acc + own``).
+in place in this rank's shard (float addition commutes: ``own + acc == acc + own``). 16-bit
+gradients (``Config.grad_dtype=torch.bfloat16`` or ``float16``) are summed in fp32 and
+rounded once: a chain of 16-bit additions rounds at each of the ``dp - 1`` adds, an error that
+grows with the number of ranks. gloo lets fxzero do the sum, so it does it right; NCCL's
+reduce-scatter sums in its own kernels (``Config.grad_dtype=torch.float32``, the default,
+reduces in fp32 on every transport).
 """
 
 from __future__ import annotations
@@ -87,6 +92,9 @@ class GradExchange:
         self.dp, self.slots, self.chunk_bytes = dp, slots, chunk_bytes
         device = buckets[0].grad_data.device if buckets else None
         self._memory = [torch.empty((dp.size - 1) * chunk_bytes, dtype=torch.uint8, device=device) for _ in range(slots)]
+        narrow = any(b.grad_data.dtype in _NARROW for b in buckets)
+        self._wide = torch.empty(chunk_bytes // 2 if narrow else 0, dtype=torch.float32, device=device)
+        """The fp32 accumulator of a 16-bit chunk's sum (one chunk is summed at a time)."""
         self.chunks = tuple(tuple(self._chunks_of(b)) for b in buckets)
         """``chunks[i]``: bucket i's chunks, in issue order."""
         self._described = {b.index: described[i] if described else describe_params(b.params) for i, b in enumerate(buckets)}
@@ -151,12 +159,12 @@ class GradExchange:
         chunk, works, slot = self._in_flight.popleft()
         for work in works:
             self.dp.wait(work, "gradient reduction", chunk.bucket, self._described[chunk.bucket])
-        _sum_in_rank_order(chunk.own, chunk.rows[slot], chunk.before)
+        _sum_in_rank_order(chunk.own, chunk.rows[slot], chunk.before, self._wide if chunk.own.dtype in _NARROW else None)
 
     @property
     def nbytes(self) -> int:
-        """The receive slots: all the scratch the exchange needs."""
-        return sum(m.nbytes for m in self._memory)
+        """The receive slots and the fp32 accumulator: all the scratch the exchange needs."""
+        return sum(m.nbytes for m in self._memory) + self._wide.nbytes
 
 
 def _splits(size: int, peer: int, n: int) -> list[int]:
@@ -165,13 +173,34 @@ def _splits(size: int, peer: int, n: int) -> list[int]:
     return splits
 
 
-def _sum_in_rank_order(own: torch.Tensor, rows: Sequence[torch.Tensor], before: int) -> None:
+_NARROW = (torch.bfloat16, torch.float16)
+
+
+def _sum_in_rank_order(own: torch.Tensor, rows: Sequence[torch.Tensor], before: int, wide: Optional[torch.Tensor] = None) -> None:
     """``own`` (this rank's copy) becomes the sum of every rank's copy in rank order:
     ``rows`` are the other ranks' copies by rank, the first ``before`` from lower ranks.
-    In place, no allocation; the loop is over ranks."""
+    In place, no allocation; the loop is over ranks. With ``wide`` (an fp32 scratch of at
+    least ``own``'s length) the sum runs in fp32 and is rounded into ``own`` once."""
+    if wide is not None:
+        _sum_wide(own, rows, before, wide[: own.numel()])
+        return
     if before:  # acc = row_0 + ... + row_{rank-1}, in the first received row's memory
         for i in range(1, before):
             rows[0].add_(rows[i])
         own.add_(rows[0])  # own + acc == acc + own
     for i in range(before, len(rows)):
         own.add_(rows[i])
+
+
+def _sum_wide(own: torch.Tensor, rows: Sequence[torch.Tensor], before: int, acc: torch.Tensor) -> None:
+    """:func:`_sum_in_rank_order` in the fp32 ``acc``, in the same order, rounded once."""
+    if before:
+        acc.copy_(rows[0])
+        for i in range(1, before):
+            acc.add_(rows[i])
+        acc.add_(own)
+    else:
+        acc.copy_(own)
+    for i in range(before, len(rows)):
+        acc.add_(rows[i])
+    own.copy_(acc)
