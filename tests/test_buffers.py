@@ -189,10 +189,35 @@ def test_16_bit_gradients_are_summed_in_fp32_and_rounded_once() -> None:
         own, rows = copies[rank].clone(), [copies[q].clone() for q in range(4) if q != rank]
         chained = own.clone()
         _sum_in_rank_order(chained, [r.clone() for r in rows], before=rank)
-        _sum_in_rank_order(own, rows, before=rank, wide=wide)
+        _sum_in_rank_order(own, rows, before=rank, acc=wide)
         in_order = ((copies[0].float() + copies[1].float()) + copies[2].float()) + copies[3].float()
         assert torch.equal(own, in_order.to(torch.bfloat16)), rank
         assert (own.double() - exact).abs().sum() < (chained.double() - exact).abs().sum(), rank
+
+
+def _bf16_grads_by(collective: str) -> list[torch.Tensor]:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 64))
+    config = fxzero.Config(grad_dtype=torch.bfloat16, grad_collective=collective, bucket_size=4000)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, module=model, config=config)
+    for step in range(3):
+        model(torch.randn(8, 64, generator=torch.Generator().manual_seed(10 * step + rank))).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.slow
+def test_16_bit_exchange_at_two_ranks_trains_bitwise_like_the_16_bit_reduce_scatter() -> None:
+    """The exchange's fp32 accumulator in a real step: at 2 ranks one add rounds once either way."""
+    from fxzero.testing import run_ranks
+
+    exchanged, scattered = (run_ranks(2, _bf16_grads_by, collective, timeout=200) for collective in ("all_to_all", "reduce_scatter"))
+    for a, b in zip(exchanged, scattered):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
 
 
 class _TinyParams(torch.nn.Module):

@@ -66,6 +66,8 @@ class _Chunk:
     """Per slot: the same rows, in the order of the ranks they come from."""
     before: int
     """How many of ``rows`` come from lower ranks than this one."""
+    acc: Optional[torch.Tensor]
+    """16-bit gradients: the fp32 accumulator the sum runs in (a view made once); else ``None``."""
 
 
 class GradExchange:
@@ -119,6 +121,7 @@ class GradExchange:
                 receives=receives,
                 rows=tuple(tuple(rows[i][0] for i in in_rank_order) for rows in receives),
                 before=sum(src < rank for src in sources),
+                acc=self._wide[:n] if own.dtype in _NARROW else None,
             )
 
     def _slot_rows(self, slot: int, dtype: torch.dtype, n: int, sources: list[int]) -> tuple[tuple[torch.Tensor, list[int]], ...]:
@@ -159,7 +162,7 @@ class GradExchange:
         chunk, works, slot = self._in_flight.popleft()
         for work in works:
             self.dp.wait(work, "gradient reduction", chunk.bucket, self._described[chunk.bucket])
-        _sum_in_rank_order(chunk.own, chunk.rows[slot], chunk.before, self._wide if chunk.own.dtype in _NARROW else None)
+        _sum_in_rank_order(chunk.own, chunk.rows[slot], chunk.before, chunk.acc)
 
     @property
     def nbytes(self) -> int:
@@ -176,13 +179,13 @@ def _splits(size: int, peer: int, n: int) -> list[int]:
 _NARROW = (torch.bfloat16, torch.float16)
 
 
-def _sum_in_rank_order(own: torch.Tensor, rows: Sequence[torch.Tensor], before: int, wide: Optional[torch.Tensor] = None) -> None:
+def _sum_in_rank_order(own: torch.Tensor, rows: Sequence[torch.Tensor], before: int, acc: Optional[torch.Tensor] = None) -> None:
     """``own`` (this rank's copy) becomes the sum of every rank's copy in rank order:
     ``rows`` are the other ranks' copies by rank, the first ``before`` from lower ranks.
-    In place, no allocation; the loop is over ranks. With ``wide`` (an fp32 scratch of at
-    least ``own``'s length) the sum runs in fp32 and is rounded into ``own`` once."""
-    if wide is not None:
-        _sum_wide(own, rows, before, wide[: own.numel()])
+    In place, no allocation; the loop is over ranks. With ``acc`` (an fp32 tensor of
+    ``own``'s length) the sum runs in fp32 and is rounded into ``own`` once."""
+    if acc is not None:
+        _sum_wide(own, rows, before, acc)
         return
     if before:  # acc = row_0 + ... + row_{rank-1}, in the first received row's memory
         for i in range(1, before):

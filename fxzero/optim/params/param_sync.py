@@ -319,10 +319,9 @@ class Publish:
 
     def all(self) -> None:
         """Every bucket's fp32 masters -> the gather's input; every gather launched."""
-        self.sync.begin()
         for index in self.sync.order:
-            self(index)
-        self.sync.end()
+            self.gather.publish(index, self.mains[index])
+        self.sync.start()
 
 
 def written_in_flight(detail: Optional[str], ranks: int) -> RuntimeError:
