@@ -175,6 +175,11 @@ def _parity_parser(commands: Any) -> None:
     parity.add_argument("--inner-compiler", choices=("inductor", "eager"), default="inductor", help="default inductor")
     parity.add_argument("--bucket-size", type=_bucket_size, default="auto", help="elements per bucket (default auto)")
     parity.add_argument("--mxfp8", action="store_true", help="gather params as MXFP8 (Config.mxfp8_param_gather)")
+    parity.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "fp8"), default="fp32",
+                        help="Config.optimizer_state_dtype on the ranks: the report gives its drift against fp32")  # fmt: skip
+    parity.add_argument("--param-remainders", action="store_true", help="Config.param_remainders on the ranks (bf16 params)")
+    parity.add_argument("--param-rounding", choices=("auto", "nearest_even", "half_away", "stochastic"), default="auto",
+                        help="Config.param_rounding on the ranks")  # fmt: skip
     for flag in ("--atol-loss", "--atol-param"):
         parity.add_argument(flag, type=_tolerance(flag), default=None, help="default: 10x the noise floor")
     parity.add_argument("--timeout", type=_whole("--timeout"), default=600, help="seconds per rank run (default 600)")

@@ -174,6 +174,34 @@ class Config:
     does not know is served exactly. Say ``"elementwise"`` for one you know is (Lion) to
     get the even split."""
 
+    optimizer_state_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
+    """How Adam/AdamW keep their two moments between steps (Megatron-LM's ``--exp-avg-dtype`` and
+    ``--exp-avg-sq-dtype``, which this sets together): ``"fp32"`` (the default; the wrapped
+    ``torch.optim`` class steps as it is), ``"bf16"`` (half the bytes), or ``"fp8"``: 8-bit
+    E4M3 codes in blocks of 32 elements with one power-of-two scale each (1.03 bytes per
+    element; blocks never span two ranks' shards; the second moment is kept as its square
+    root, rounded up). Any setting but ``"fp32"`` steps with fxzero's own Adam update over
+    runs of the flat shard (:mod:`fxzero.optim.update.shard_adam`), which always computes in
+    fp32; only ``torch.optim.Adam`` and ``torch.optim.AdamW`` (exactly) have it: any other
+    class is refused, naming this option. docs/precision.md has each mode's measured drift."""
+
+    param_remainders: bool = False
+    """Keep no fp32 master for bf16 params: the bf16 param holds its high 16 bits and an int16
+    remainder per element its low 16 (Megatron-LM's ``store_param_remainders``), 2 bytes per
+    element instead of 4, and the master is rebuilt exactly for each update. Training is
+    bitwise the fp32-master run's with ``param_rounding="half_away"`` (the rounding the split
+    needs; see :mod:`fxzero.optim.params.bf16_rounding`). Needs bf16 params, steps with fxzero's
+    own Adam update (Adam/AdamW only), and cannot go with ``mxfp8_param_gather`` (the params
+    then hold MXFP8 values, not the master's high half)."""
+
+    param_rounding: Literal["auto", "nearest_even", "half_away", "stochastic"] = "auto"
+    """How fp32 masters are rounded into bf16 params after each update: ``"nearest_even"``
+    (torch's ``copy_``), ``"half_away"`` (ties away from zero: what ``param_remainders`` needs)
+    or ``"stochastic"`` (rounds up with probability equal to the dropped fraction, from a hash of
+    the master's bits, so runs and resumes are bitwise reproducible). ``"auto"``: ``"half_away"``
+    with ``param_remainders``, else ``"nearest_even"``. Only bf16 params are rounded: another
+    setting than ``"auto"`` needs some, and cannot go with ``mxfp8_param_gather``."""
+
     state_dict_timeout: float = 120.0
     """Seconds ``opt.state_dict()`` (collective at world size > 1) waits for every rank to call
     it before it fails on the ranks that did, naming the fix. A call on rank 0 only (the DDP habit
@@ -187,7 +215,7 @@ class Config:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"Config.state_dict_timeout must be a finite number of seconds > 0, got {timeout!r}")
         flags = ("overlap_param_gather", "overlap_param_gather_with_optimizer_step", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
-                 "broadcast_buffers")
+                 "broadcast_buffers", "param_remainders")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -208,6 +236,7 @@ class Config:
             )
         if self.state_sharding not in ("auto", "elementwise", "whole_params"):
             raise ValueError(f"Config.state_sharding must be 'auto', 'elementwise' or 'whole_params', got {self.state_sharding!r}")
+        _check_precision(self)
         factor = self.gradient_divide_factor
         if factor is not None and (isinstance(factor, bool) or not isinstance(factor, int) or factor < 1):
             raise ValueError(f"Config.gradient_divide_factor must be an int >= 1 or None (the data-parallel size), got {factor!r}")
@@ -222,6 +251,13 @@ class Config:
         return default_bucket_size(dp_size, backend) if self.bucket_size == "auto" else self.bucket_size
 
     @property
+    def resolved_param_rounding(self) -> str:
+        """``param_rounding`` with ``"auto"`` resolved."""
+        if self.param_rounding != "auto":
+            return self.param_rounding
+        return "half_away" if self.param_remainders else "nearest_even"
+
+    @property
     def shard_multiple(self) -> int:
         """Every rank's shard of a bucket is a multiple of this many elements."""
         return 32 if self.mxfp8_param_gather else 1
@@ -234,3 +270,23 @@ def _check_bucket_size(value: object) -> None:
         raise TypeError(f"Config.bucket_size must be an int > 0, 'auto' or None, got {value!r}")
     if value <= 0:
         raise ValueError(f"Config.bucket_size must be > 0 elements (or 'auto' / None), got {value}")
+
+
+def _check_precision(config: Config) -> None:
+    if config.optimizer_state_dtype not in ("fp32", "bf16", "fp8"):
+        raise ValueError(f"Config.optimizer_state_dtype must be 'fp32', 'bf16' or 'fp8', got {config.optimizer_state_dtype!r}")
+    if config.param_rounding not in ("auto", "nearest_even", "half_away", "stochastic"):
+        raise ValueError(
+            f"Config.param_rounding must be 'auto', 'nearest_even', 'half_away' or 'stochastic', got {config.param_rounding!r}"
+        )
+    if config.param_remainders and config.param_rounding not in ("auto", "half_away"):
+        raise ValueError(
+            f"Config.param_remainders=True rounds params half away from zero (a 16-bit remainder cannot rebuild the "
+            f"master otherwise); param_rounding={config.param_rounding!r} cannot go with it: leave it 'auto'"
+        )
+    if config.mxfp8_param_gather and (config.param_remainders or config.param_rounding != "auto"):
+        flag = "param_remainders=True" if config.param_remainders else f"param_rounding={config.param_rounding!r}"
+        raise ValueError(
+            f"Config.{flag} cannot go with mxfp8_param_gather=True: the params then hold MXFP8 values decoded from the "
+            "fp32 masters, not bf16 roundings of them"
+        )

@@ -68,7 +68,9 @@ from .optim.params.param_watch import ParamWatch
 from .optim.state.sharded_state import ShardedState
 from .optim.state.state_dict import hyperparameters
 from .optim.update.bucketed_update import updates_param_by_param
-from .optim.update.flat_update import ByBucket, FlatUpdate
+from .optim.update.flat_update import ByBucket, FlatUpdate, place_of
+from .optim.update.shard_adam import ADAM_CLASSES, UNSUPPORTED_FLAGS, ShardAdamW
+from .optim.state.fragment_store import TorchOptimStore
 
 __all__ = ["Runtime", "build_runtime"]
 
@@ -167,7 +169,7 @@ def build_runtime(
     overlap = config.overlap_param_gather and module is not None
     if config.overlap_param_gather and module is None and dp.size > 1 and first:
         log.info("overlap_param_gather needs module=...; step() waits for its all-gathers")
-    buffer_sync = BufferSync(module, dp, config.broadcast_buffers)
+    buffer_sync = BufferSync(module, dp) if config.broadcast_buffers else BufferSync(None, dp)  # no module: nothing to sync
     if config.init_sync:  # later: the new params start from rank 0's values, the others are already alike
         broadcast_initial_state(dp, [b.param_data for b in buffers], module if first else None, table.params)
     elif first:  # DDP syncs buffers before the first forward even without init_sync
@@ -175,14 +177,18 @@ def build_runtime(
     buckets = tuple(b for buffer in buffers for b in buffer.buckets)
     described = [table.describe(table.slots(b.params)) for b in buckets]
     reuse = config.reuse_grad_buf_for_mxfp8_param_ag
-    gather = Mxfp8Gather(buckets, dp, reuse_grad_buffer=reuse) if config.mxfp8_param_gather else PlainGather(buckets, dp)
+    gather = Mxfp8Gather(buckets, dp, reuse_grad_buffer=reuse) if config.mxfp8_param_gather else PlainGather(buckets, dp, config.resolved_param_rounding)
     param_sync = ParamSync(buckets, dp, overlap=overlap, gather=gather, described=described)
     before_grad_write = param_sync.wait if reuse else None  # gather bytes sit in the grad buffer: land a bucket first
     ledger = Ledger(table, len(buckets), requires_grad=functools.partial(_requires_grad, table.params))
     reductions = GradReductions(buckets, dp, ledger, described=described, before_grad_write=before_grad_write,
                                 divide_factor=config.gradient_divide_factor)  # fmt: skip
-    shards, fragments = build_shards(buffers, table, dp.rank, separate_mains=config.mxfp8_param_gather)
-    local = _local_optimizer(optimizer_class, kwargs, manager.param_groups, table, fragments)
+    own_update = _check_precision(config, optimizer_class, manager.param_groups, table)
+    shards, fragments = build_shards(buffers, table, dp.rank, separate_mains=config.mxfp8_param_gather, remainders=config.param_remainders)
+    if own_update:
+        local: torch.optim.Optimizer = _shard_adam(config, optimizer_class, manager.param_groups, table, fragments)
+    else:
+        local = _local_optimizer(optimizer_class, kwargs, manager.param_groups, table, fragments)
     update = FlatUpdate(local, fragments, [table.rows[f.slot].group for f in fragments],
                         [table.bucket_of_slot[f.slot] for f in fragments], kwargs, bucket_count=len(buckets))  # fmt: skip
     publish = Publish(param_sync, [shard.main for shard in sorted(shards, key=lambda shard: shard.bucket.index)])
@@ -195,7 +201,7 @@ def build_runtime(
                          reset_if_cleared=grad_views.reset_if_cleared, local_grads=mesh_params.dtensor_slots)  # fmt: skip
     state = ShardedState(dp=dp, table=table, param_groups=manager.param_groups, buffers=buffers, shards=shards, fragments=fragments,
                          local=local, mesh_params=mesh_params, timeout=config.state_dict_timeout, finish_gathers=param_sync.finish,
-                         publish_and_gather=publish.all)  # fmt: skip
+                         publish_and_gather=publish.all, store=local if own_update else TorchOptimStore(local, fragments))  # fmt: skip
     runtime = Runtime(
         whole_params=whole_params, mesh_params=mesh_params, buckets=buckets, buffer_sync=buffer_sync, gather=gather,
         param_sync=param_sync, ledger=ledger, reductions=reductions, shards=tuple(shards), fragments=tuple(fragments), local=local,
@@ -216,6 +222,46 @@ def _local_optimizer(
     for frag in fragments:
         local_groups[table.rows[frag.slot].group]["params"].append(frag.param)
     return optimizer_class(local_groups, **kwargs)
+
+
+def _own_update(config: Config) -> bool:
+    """Whether fxzero's own Adam update steps (:mod:`fxzero.optim.update.shard_adam`)."""
+    return config.optimizer_state_dtype != "fp32" or config.param_remainders
+
+
+def _check_precision(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable) -> bool:
+    """Refuse precision options this optimizer or these params cannot have, naming them; returns :func:`_own_update`."""
+    own = _own_update(config)
+    option = f"Config.optimizer_state_dtype={config.optimizer_state_dtype!r}" if config.optimizer_state_dtype != "fp32" else "Config.param_remainders=True"
+    if own and optimizer_class not in ADAM_CLASSES:
+        raise ValueError(
+            f"fxzero: {option} steps with fxzero's own Adam update, which only torch.optim.Adam and torch.optim.AdamW have; "
+            f"{optimizer_class.__name__} keeps its state as it defines it (leave {option.split('=')[0]} at its default, or use torch.optim.AdamW)"
+        )
+    for index, group in enumerate(groups if own else ()):
+        for flag in UNSUPPORTED_FLAGS:
+            if group.get(flag):
+                raise ValueError(f"fxzero: {option}: fxzero's own Adam update does not implement {flag}=True (param_groups[{index}])")
+    dtypes = {p.dtype for p in table.params}
+    if (config.param_remainders or config.param_rounding != "auto") and torch.bfloat16 not in dtypes:
+        flag = "param_remainders=True" if config.param_remainders else f"param_rounding={config.param_rounding!r}"
+        raise ValueError(f"fxzero: Config.{flag} applies to bf16 params, and every managed param is {sorted(map(str, dtypes))}")
+    if config.param_remainders and torch.float16 in dtypes:
+        slot = next(s for s, p in enumerate(table.params) if p.dtype == torch.float16)
+        raise ValueError(f"fxzero: Config.param_remainders=True keeps remainders of bf16 params; param {table.label(slot)!r} is float16")
+    return own
+
+
+def _shard_adam(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable,
+                fragments: Sequence[FragmentTensor]) -> ShardAdamW:  # fmt: skip
+    local_groups = [hyperparameters(group) | {"params": []} for group in groups]
+    places = []
+    for frag in fragments:
+        group = table.rows[frag.slot].group
+        local_groups[group]["params"].append(frag.param)
+        places.append(place_of(frag, group, table.bucket_of_slot[frag.slot]))
+    return ShardAdamW(local_groups, fragments, places, state_dtype=config.optimizer_state_dtype,
+                      remainders=config.param_remainders, decoupled=optimizer_class is torch.optim.AdamW)  # fmt: skip
 
 
 def _by_bucket(stepwise: bool, optimizer_class: type, param_sync: ParamSync, publish: Publish) -> Optional[ByBucket]:

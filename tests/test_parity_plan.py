@@ -205,3 +205,18 @@ def test_verdicts_and_exit_codes() -> None:
 
 def test_parity_is_public() -> None:
     assert fxzero.parity.__module__ == "fxzero.parity_check" and "parity" in fxzero.__all__
+
+
+def test_precision_options_reach_the_ranks_config_and_the_report_gives_their_drift() -> None:
+    options = ParityOptions(optimizer_state_dtype="bf16", param_remainders=True)
+    config = options.config(overlap=False)
+    assert (config.optimizer_state_dtype, config.param_remainders, config.param_rounding) == ("bf16", True, "auto")
+    assert options.precision == ("optimizer_state_dtype='bf16'", "param_remainders=True")
+    assert ParityOptions().precision == ()
+    with pytest.raises(ParityError, match="optimizer_state_dtype must be"):
+        ParityOptions(optimizer_state_dtype="int8")  # type: ignore[arg-type]
+    setup = Setup("Net", 1, 4, options, "AdamW (1 param group, lr 0.001)", 1, 2)
+    text = str(_report(setup=setup, fxzero_losses=(1.0, 0.9 + 4e-7), floor_losses=(1.0, 0.9 + 2e-7)))
+    assert "precision options: optimizer_state_dtype='bf16', param_remainders=True (the reference keeps fp32 state and masters)" in text
+    assert "drift against fp32 (optimizer_state_dtype='bf16', param_remainders=True) over 2 steps: loss 4.00e-07 (2x the noise floor)" in text
+    assert "drift against fp32" not in str(_report())

@@ -53,8 +53,9 @@ def _attributes_of(tree: ast.AST, owner: str) -> set[str]:
     return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute) and ast.unparse(node.value) == owner}
 
 
-STATE_API = {"fragment_state", "load_fragment_states", "replacing"}
-"""The methods of the runtime's sharded state fxzero.checkpoint may call: the fragment-level state API."""
+STATE_API = {"fragment_state", "load_fragment_states", "master_of", "load_master", "replacing"}
+"""The methods of the runtime's sharded state fxzero.checkpoint may call: the fragment-level state API
+(masters go through it too: under ``Config.param_remainders`` they are rebuilt, not held)."""
 
 
 def test_checkpoints_use_only_the_state_api_of_the_optimizer() -> None:

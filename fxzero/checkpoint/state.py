@@ -178,7 +178,7 @@ def save_state(model: torch.nn.Module, opt: "DistributedOptimizer", names: Seque
         name, where, lo = names[frag.slot], placed(opt.param_table.params[frag.slot]), frag.where.param_offset
         writes = opt.runtime.mesh_params.counted_here(frag.slot)
         if writes:
-            state[f"{OPTIM}{name}/main"] = where.pieces(frag.param.detach().reshape(-1), lo)
+            state[f"{OPTIM}{name}/main"] = where.pieces(opt.runtime.sharded_state.master_of(frag).detach().reshape(-1), lo)
         for key, value in opt.runtime.sharded_state.fragment_state(frag).items():
             kind = spec.setdefault(name, {})[key] = _kind(value, frag, f"{key!r} of {name!r}")
             if writes and kind == SHARDED:
@@ -278,7 +278,7 @@ def apply_loaded(
         states = []
         for frag in opt.runtime.fragments:
             name = names[frag.slot]
-            frag.param.view(-1).copy_(targets[f"{OPTIM}{name}/main"].flat)
+            opt.runtime.sharded_state.load_master(frag, targets[f"{OPTIM}{name}/main"].flat)
             states.append(
                 {key: _loaded_value(targets, f"{OPTIM}{name}/{key}", kind, frag) for key, kind in spec.get(name, {}).items()}
             )

@@ -45,6 +45,9 @@ def parity(
     atol_loss: Optional[float] = None,
     atol_param: Optional[float] = None,
     timeout: float = 600.0,
+    optimizer_state_dtype: Literal["fp32", "bf16", "fp8"] = "fp32",
+    param_remainders: bool = False,
+    param_rounding: Literal["auto", "nearest_even", "half_away", "stochastic"] = "auto",
 ) -> ParityReport:
     """Train ``model`` with fxzero on ``world_size`` ranks and eagerly in this process;
     compare (``print(report)``; ``report.verdict`` is ``"PASS"``, ``"FAIL"`` or
@@ -55,6 +58,9 @@ def parity(
     takes slice r of ``world_size`` equal slices along dim 0. ``optimizer_factory(params)``
     builds the plain ``torch.optim`` optimizer to wrap (default AdamW, lr 1e-3).
     ``atol_loss`` / ``atol_param`` replace the default tolerances (10x the noise floor).
+    ``optimizer_state_dtype``, ``param_remainders``, ``param_rounding``: fxzero's precision options
+    (:class:`fxzero.Config`) on the ranks, against a reference that keeps fp32 state and masters:
+    the report then gives each option's drift against fp32 beside the noise floor.
 
     ``model`` is not changed: the reference trains copies, and the ranks get it by
     pickle, so its class must be importable by name in a fresh process (defined at
@@ -70,5 +76,8 @@ def parity(
         atol_loss=atol_loss,
         atol_param=atol_param,
         timeout=timeout,
+        optimizer_state_dtype=optimizer_state_dtype,
+        param_remainders=param_remainders,
+        param_rounding=param_rounding,
     )
     return check(model, batch_fn, optimizer_factory, options)

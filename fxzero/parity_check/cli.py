@@ -44,6 +44,9 @@ def _options(args: argparse.Namespace) -> ParityOptions:
         atol_loss=args.atol_loss,
         atol_param=args.atol_param,
         timeout=float(args.timeout),
+        optimizer_state_dtype=args.optimizer_state_dtype,
+        param_remainders=args.param_remainders,
+        param_rounding=args.param_rounding,
     )
 
 

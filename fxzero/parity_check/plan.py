@@ -74,6 +74,19 @@ class ParityOptions:
     """Largest allowed |fxzero param - reference param|; ``None``: from the noise floor."""
     timeout: float = 600.0
     """Seconds each multi-rank run may take before the ranks are killed."""
+    optimizer_state_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
+    """``fxzero.Config.optimizer_state_dtype`` on the ranks; the reference keeps fp32 state, so
+    the differences reported are this option's drift against fp32, beside the noise floor."""
+    param_remainders: bool = False
+    """``fxzero.Config.param_remainders`` on the ranks (bf16 params; the reference keeps fp32 masters)."""
+    param_rounding: Literal["auto", "nearest_even", "half_away", "stochastic"] = "auto"
+    """``fxzero.Config.param_rounding`` on the ranks."""
+
+    @property
+    def precision(self) -> tuple[str, ...]:
+        """The precision options set away from their defaults, as ``name=value``."""
+        defaults = {"optimizer_state_dtype": "fp32", "param_remainders": False, "param_rounding": "auto"}
+        return tuple(f"{k}={getattr(self, k)!r}" for k, v in defaults.items() if getattr(self, k) != v)
 
     def __post_init__(self) -> None:
         for name in ("world_size", "steps"):
@@ -90,10 +103,15 @@ class ParityOptions:
                 continue
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
                 raise ParityError(f"parity: {name} must be a finite number >= 0, got {value!r}")
-        self.config(overlap=True)  # bucket_size is checked by Config itself
+        try:
+            self.config(overlap=True)  # bucket_size and the precision options are checked by Config itself
+        except (TypeError, ValueError) as error:
+            raise ParityError("parity: " + str(error)) from None  # Config's own message names the option
 
     def config(self, *, overlap: bool) -> Config:
-        return Config(bucket_size=self.bucket_size, mxfp8_param_gather=self.mxfp8, overlap_param_gather=overlap)
+        return Config(bucket_size=self.bucket_size, mxfp8_param_gather=self.mxfp8, overlap_param_gather=overlap,
+                      optimizer_state_dtype=self.optimizer_state_dtype, param_remainders=self.param_remainders,
+                      param_rounding=self.param_rounding)  # fmt: skip
 
 
 def default_optimizer(params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:

@@ -33,6 +33,7 @@ def _header(report: "ParityReport") -> str:
         f"fxzero: {o.world_size} gloo rank{'s' if o.world_size > 1 else ''} (CPU), inner compiler {o.inner_compiler}, "
         f"bucket size {bucket} ({s.buckets} bucket{'s' if s.buckets != 1 else ''}), "
         f"MXFP8 param gather {'on' if o.mxfp8 else 'off'}; reference: one process, eager, global batch"
+        + (f"\nprecision options: {', '.join(o.precision)} (the reference keeps fp32 state and masters)" if o.precision else "")
     )
 
 
@@ -89,7 +90,21 @@ def _checks(report: "ParityReport") -> list[str]:
         + _bitwise(report.overlap, "losses and params bitwise identical"),
         "ranks: " + _bitwise(report.ranks, f"params bitwise identical on all {world} ranks" if world > 1 else "one"),
         *(f"fxzero skipped the update at step {step} (non-finite gradient norm)" for step in report.skipped_steps),
+        *([_drift(report)] if s.options.precision else []),
     ]
+
+
+def _drift(report: "ParityReport") -> str:
+    loss, param = max(report.loss_diffs, default=0.0), max((p.diff for p in report.params), default=0.0)
+    return (
+        f"drift against fp32 ({', '.join(report.setup.options.precision)}) over {len(report.loss_diffs)} steps: "
+        f"loss {_num(loss)} ({_times(loss, report.floor_loss)} the noise floor), "
+        f"params {_num(param)} ({_times(param, report.floor_param)} the noise floor)"
+    )
+
+
+def _times(value: float, floor: float) -> str:
+    return f"{value / floor:.3g}x" if floor > 0 else ("1x" if value == 0 else "inf x")
 
 
 def _verdict(report: "ParityReport") -> list[str]:

@@ -34,7 +34,8 @@ class BucketShard:
     main: torch.Tensor
     main_grad: torch.Tensor
     main_is_param: bool
-    """True when ``main`` aliases the param shard (fp32 params): nothing to copy back."""
+    """True when ``main`` aliases the param shard (fp32 params, or bf16 params whose masters are
+    kept as remainders): nothing to copy back."""
     main_grad_is_grad: bool
     """True when ``main_grad`` aliases the reduce-scatter output (fp32 grads)."""
 
@@ -52,9 +53,10 @@ class FragmentTensor:
     """Which part of the param it is (offsets in the param and in the shard)."""
 
 
-def _bucket_shard(bucket: Bucket, rank: int, separate_mains: bool) -> BucketShard:
+def _bucket_shard(bucket: Bucket, rank: int, separate_mains: bool, remainders: bool) -> BucketShard:
     param_shard, grad_shard = bucket.param_shards[rank], bucket.grad_shards[rank]
-    main_is_param = param_shard.dtype == torch.float32 and not separate_mains
+    kept_in_params = param_shard.dtype == torch.float32 or (remainders and param_shard.dtype == torch.bfloat16)
+    main_is_param = kept_in_params and not separate_mains
     main_grad_is_grad = grad_shard.dtype == torch.float32
     return BucketShard(
         bucket=bucket,
@@ -66,16 +68,19 @@ def _bucket_shard(bucket: Bucket, rank: int, separate_mains: bool) -> BucketShar
 
 
 def build_shards(
-    buffers: Sequence[ParamAndGradBuffer], table: ParamTable, rank: int, *, separate_mains: bool = False
+    buffers: Sequence[ParamAndGradBuffer], table: ParamTable, rank: int, *, separate_mains: bool = False, remainders: bool = False
 ) -> tuple[tuple[BucketShard, ...], tuple[FragmentTensor, ...]]:
     """Make this rank's bucket shards and fragment tensors, in bucket order.
     ``separate_mains`` keeps fp32 masters apart from fp32 params too (a lossy gather
     overwrites the param shard). In a whole-param plan every fragment is a whole param and
-    its tensors are shaped like it: what a shape-aware optimizer (Muon, Adafactor) reads."""
+    its tensors are shaped like it: what a shape-aware optimizer (Muon, Adafactor) reads.
+    ``remainders`` (``Config.param_remainders``): bf16 params keep no fp32 main shard; their
+    fragments are views of the bf16 param shard, and fxzero's own Adam update keeps the
+    remainders that rebuild the fp32 masters (:mod:`fxzero.optim.update.shard_adam`)."""
     shards: list[BucketShard] = []
     fragments: list[FragmentTensor] = []
     for buffer in buffers:
-        local = [_bucket_shard(bucket, rank, separate_mains) for bucket in buffer.buckets]
+        local = [_bucket_shard(bucket, rank, separate_mains, remainders) for bucket in buffer.buckets]
         shards.extend(local)
         for frag in shard_fragments(buffer.plan, rank):
             shard = local[frag.bucket_id]
@@ -84,6 +89,8 @@ def build_shards(
             slot = table.slots([param])[0]
             shape = param.shape if buffer.plan.owners is not None else (frag.numel,)
             view = shard.main[lo:hi].view(shape)
+            if view.dtype != shard.main_grad.dtype:
+                view.grad_dtype = None  # a bf16 master view (remainders) takes its fp32 gradient (torch >= 2.10)
             view.grad = shard.main_grad[lo:hi].view(shape)
             fragments.append(FragmentTensor(slot, view, view.grad, frag))
     return tuple(shards), tuple(fragments)

@@ -58,10 +58,11 @@ def broadcast_flat(dp: DataParallelGroup, tensors: Sequence[torch.Tensor]) -> No
 
 
 class BufferSync:
-    """Broadcasts ``module``'s buffers from rank 0 at every :meth:`broadcast` (see the module docstring)."""
+    """Broadcasts ``module``'s buffers from rank 0 at every :meth:`broadcast` (see the module docstring);
+    ``module=None`` (no module, or ``Config.broadcast_buffers=False``) broadcasts nothing."""
 
-    def __init__(self, module: Optional[torch.nn.Module], dp: DataParallelGroup, enabled: bool) -> None:
-        self.module = module if enabled and dp.total > 1 else None
+    def __init__(self, module: Optional[torch.nn.Module], dp: DataParallelGroup) -> None:
+        self.module = module if dp.total > 1 else None
         self.dp = dp
 
     def _buffers(self) -> list[torch.Tensor]:

@@ -23,6 +23,7 @@ from ..layout.buffers import ParamAndGradBuffer
 from ..communication.comm import DataParallelGroup
 from ..layout.mesh import MeshParams
 from ..layout.param_table import ParamTable
+from .fragment_store import FragmentStore
 from .rank_state import RankState, held_on_any_rank
 from ..layout.shards import BucketShard, FragmentTensor
 from .state_dict import MASTER_KEY, STATE_FORMAT, check_state_dict, consolidated_state, hyperparameters, is_plain_state_dict
@@ -44,12 +45,15 @@ class ShardedState:
     def __init__(
         self, *, dp: DataParallelGroup, table: ParamTable, param_groups: list[dict[str, Any]], buffers: Sequence[ParamAndGradBuffer],
         shards: Sequence[BucketShard], fragments: Sequence[FragmentTensor], local: torch.optim.Optimizer, mesh_params: MeshParams,
-        timeout: float, finish_gathers: Callable[[], None], publish_and_gather: Callable[[], None],
+        timeout: float, finish_gathers: Callable[[], None], publish_and_gather: Callable[[], None], store: FragmentStore,
     ) -> None:  # fmt: skip
         self.dp, self.param_table, self.param_groups, self.buffers = dp, table, param_groups, buffers
         self.shards, self.fragments, self.local, self.mesh_params = shards, fragments, local, mesh_params
         self.timeout, self.finish_param_sync, self._publish_and_gather = timeout, finish_gathers, publish_and_gather
         self.params = table.params
+        self.store = store
+        """Where the per-fragment state and fp32 masters are kept (:mod:`fxzero.optim.state.fragment_store`)."""
+        self._index = {id(f): i for i, f in enumerate(fragments)}
         self.rank_state = RankState(table, fragments, local)
         """Each managed param's state as this rank holds it (``opt.state``, :mod:`fxzero.optim.state.rank_state`)."""
         self.consolidated: Optional[dict[str, Any]] = None
@@ -137,7 +141,7 @@ class ShardedState:
         separate = {s.bucket.index for s in self.shards if not s.main_is_param}
         bucket_of = self.param_table.bucket_of_slot
         states = [
-            self.fragment_state(f) | ({MASTER_KEY: f.param} if bucket_of[f.slot] in separate else {})
+            self.fragment_state(f) | ({MASTER_KEY: self.master_of(f)} if bucket_of[f.slot] in separate or self.remainders else {})
             for f in self.fragments
         ]
         state = consolidated_state(self.param_table, self.fragments, states, self.dp)
@@ -178,17 +182,27 @@ class ShardedState:
     def fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
         """The wrapped optimizer's state of one of this rank's :attr:`fragments` (AdamW's
         ``exp_avg``, ``exp_avg_sq``, ``step``); empty before its first update."""
-        return self.local.state.get(fragment.param, {})
+        return self.store.fragment_state(self._index[id(fragment)])
+
+    def master_of(self, fragment: FragmentTensor) -> torch.Tensor:
+        """The fp32 master values of one of this rank's :attr:`fragments` (a view, or a copy
+        rebuilt from the bf16 param and its remainder under ``Config.param_remainders``)."""
+        return self.store.master_of(self._index[id(fragment)])
+
+    def load_master(self, fragment: FragmentTensor, values: torch.Tensor) -> None:
+        """Make ``values`` the fp32 master of ``fragment`` (inside :meth:`replacing`)."""
+        self.store.load_master(self._index[id(fragment)], values)
+
+    @property
+    def remainders(self) -> bool:
+        """Whether some masters are kept as remainders (not in a separate fp32 main shard)."""
+        return self.store.remainders
 
     def load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
-        """Give the wrapped optimizer ``states[i]`` for ``fragments[i]`` (inside
-        :meth:`replacing`); torch.optim's loader casts and moves each tensor as its
-        own policy wants."""
+        """Give the keeper ``states[i]`` for ``fragments[i]`` (inside :meth:`replacing`)."""
         if len(states) != len(self.fragments):
             raise ValueError(f"load_fragment_states: {len(states)} states for {len(self.fragments)} fragments")
-        index_of = {id(p): i for i, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
-        loaded = {index_of[id(f.param)]: state for f, state in zip(self.fragments, states) if state}
-        self.local.load_state_dict({"state": loaded, "param_groups": self.local.state_dict()["param_groups"]})
+        self.store.load_fragment_states(states)
 
     def load_whole_states(self, states: Sequence[dict[str, Any]]) -> None:
         """:meth:`load_fragment_states` of this rank's cut of a whole state
@@ -198,15 +212,12 @@ class ShardedState:
         self.load_fragment_states(states)
         for frag, master in zip(self.fragments, masters):
             if master is not None:
-                frag.param.copy_(master)
+                self.load_master(frag, master)
 
     @property
     def nbytes(self) -> int:
         """Bytes of optimizer state on this rank: wrapped-optimizer state + separate fp32 mains."""
-        total = sum(s.main.nbytes for s in self.shards if not s.main_is_param)
-        for per_param in self.local.state.values():
-            total += sum(v.nbytes for v in per_param.values() if isinstance(v, torch.Tensor))
-        return total
+        return sum(s.main.nbytes for s in self.shards if not s.main_is_param) + self.store.nbytes
 
 
 def _late(dp: DataParallelGroup, call: str, missing: list[int], timeout: float) -> str:

@@ -47,7 +47,7 @@ from ..layout.shards import FragmentTensor
 from ..state.state_dict import copy_hyperparameters, hyperparameters
 from ..layout.validation import ELEMENTWISE_OPTIMIZERS
 
-__all__ = ["MAX_RUN_NUMEL", "ByBucket", "FlatUpdate", "Place", "Run", "flat_update_applies", "plan_runs"]
+__all__ = ["MAX_RUN_NUMEL", "ByBucket", "FlatUpdate", "Place", "Run", "flat_update_applies", "place_of", "plan_runs"]
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ def flat_update_applies(optimizer_class: type, fragments: Sequence[FragmentTenso
     return all(f.param.device.type == "cpu" and f.param.dtype == torch.float32 and f.param.dim() == 1 for f in fragments)
 
 
-def _place(frag: FragmentTensor, group: int, bucket: int) -> Place:
+def place_of(frag: FragmentTensor, group: int, bucket: int) -> Place:
+    """Where ``frag`` (of param group ``group``, in bucket ``bucket``) lies."""
     param, grad = frag.param, frag.grad
     return Place(_storage(param), _storage(grad), group, bucket, param.storage_offset(), grad.storage_offset(), param.numel())
 
@@ -159,7 +160,7 @@ class FlatUpdate:
         self._params = [f.param for f in self.fragments]
         if not flat_update_applies(type(local), self.fragments):
             return
-        self.runs = plan_runs([_place(f, g, b) for f, g, b in zip(self.fragments, groups, buckets)])
+        self.runs = plan_runs([place_of(f, g, b) for f, g, b in zip(self.fragments, groups, buckets)])
         twin_groups = [hyperparameters(g) | {"params": []} for g in local.param_groups]
         self._flats = [self._flat(run) for run in self.runs]
         for run, flat in zip(self.runs, self._flats):

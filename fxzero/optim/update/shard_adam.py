@@ -1,0 +1,302 @@
+"""fxzero's own Adam/AdamW over runs of the shard, for narrow state and param remainders.
+
+``torch.optim.AdamW`` keeps fp32 moments per param and needs an fp32 tensor to update. Two
+options of :class:`~fxzero.Config` need something else, so fxzero steps Adam/AdamW itself
+when one is set (any other class with one is refused at construction, naming the option):
+
+* ``optimizer_state_dtype`` ``"bf16"`` or ``"fp8"``: the moments are kept narrower
+  (:mod:`~fxzero.optim.update.moment_store`); the update computes in fp32;
+* ``param_remainders``: bf16 params keep no fp32 master; each run keeps an int16 remainder
+  that rebuilds it exactly with the param (:mod:`~fxzero.optim.params.bf16_rounding`).
+
+**Runs.** Adjacent fragments of one param group and bucket are one flat run
+(:func:`~fxzero.optim.update.flat_update.plan_runs`), and each run is one tensor per moment:
+the update is a handful of torch ops per run, not per param. Step counts are per fragment,
+as torch keeps them per param: a step that hides some fragments (they got no gradient) steps
+the others of their run one by one, and their counts then differ.
+
+**The same bits as torch.** Each update is ``torch.optim.adam._single_tensor_adam``'s
+sequence of ops on fp32 values (lerp, mul/addcmul, Python-float bias corrections, addcdiv),
+so with fp32 state this class trains bitwise like ``torch.optim.AdamW(foreach=False)``
+(tested); only the rounding of what is kept differs in the other modes.
+
+**Its state, seen from outside**, is per fragment and plain (``step``, ``exp_avg``,
+``exp_avg_sq`` shaped like the fragment: bf16 views, or the 8-bit values decoded exactly),
+so ``opt.state``, state dicts and checkpoints read and load it as torch.optim's, and a
+checkpoint moves between modes (the narrower mode rounds what it loads).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any, Optional
+
+import torch
+
+from ..layout.shards import FragmentTensor
+from ..params import bf16_rounding
+from .flat_update import Place, Run, plan_runs
+from .moment_store import MomentStore, make_store
+
+__all__ = ["ADAM_CLASSES", "ShardAdamW", "UNSUPPORTED_FLAGS"]
+
+ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
+"""The classes (exactly: a subclass may change the update) fxzero's own update stands in for."""
+
+UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable", "fused")
+"""Adam options fxzero's own update does not implement: refused, naming the flag."""
+_GRAD = operator.attrgetter("grad")
+
+
+@dataclasses.dataclass(eq=False)
+class _RunState:
+    run: Run
+    param: torch.Tensor
+    """The run's params: an fp32 view of the main shard, or a bf16 view of the param shard (remainders)."""
+    grad: torch.Tensor
+    exp_avg: MomentStore
+    exp_avg_sq: MomentStore
+    remainder: Optional[torch.Tensor]
+    steps: list[int]
+    """One count per fragment of the run."""
+    offsets: list[int]
+
+    def master(self) -> torch.Tensor:
+        return self.param if self.remainder is None else bf16_rounding.join(self.param, self.remainder)
+
+    def keep_master(self, master: torch.Tensor) -> None:
+        if self.remainder is not None:
+            bf16_rounding.split(master, self.param, self.remainder)
+
+
+class ShardAdamW(torch.optim.Optimizer):
+    """Adam (``decoupled=False``) or AdamW over this rank's fragments, stepped run by run."""
+
+    def __init__(
+        self, groups: list[dict[str, Any]], fragments: Sequence[FragmentTensor], places: Sequence[Place], *,
+        state_dtype: str, remainders: bool, decoupled: bool,
+    ) -> None:  # fmt: skip
+        super().__init__(groups, {})
+        self.fragments, self.decoupled, self.state_dtype = tuple(fragments), decoupled, state_dtype
+        self._runs = [self._run_state(run, remainders) for run in plan_runs(places)]
+        self.remainders = any(rs.remainder is not None for rs in self._runs)
+        """Whether some masters are kept as remainders (:class:`~fxzero.optim.state.fragment_store.FragmentStore`)."""
+        self._where = {id(self.fragments[i].param): (r, k) for r, rs in enumerate(self._runs) for k, i in enumerate(rs.run.fragments)}
+        self._cache: dict[int, tuple[list[torch.Tensor], int, list[int]]] = {}
+        self.state = _FragmentStates(self)  # type: ignore[assignment]
+
+    def _run_state(self, run: Run, remainders: bool) -> _RunState:
+        first = self.fragments[run.fragments[0]]
+        n = run.stop - run.start
+        param = first.param.as_strided((n,), (1,), run.start)
+        grad = first.grad.as_strided((n,), (1,), run.grad_start)
+        remainder = torch.zeros(n, dtype=torch.int16, device=param.device) if remainders and param.dtype == torch.bfloat16 else None
+        offsets = [self.fragments[i].param.storage_offset() - run.start for i in run.fragments]
+        device = param.device
+        return _RunState(run, param, grad, make_store(self.state_dtype, n, device, second=False),
+                         make_store(self.state_dtype, n, device, second=True), remainder, [0] * len(run.fragments), offsets)  # fmt: skip
+
+    # ---- the step -------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        loss = None if closure is None else closure()
+        for group in self.param_groups:
+            params = group["params"]
+            if not params:
+                continue
+            hyper = _hyper(group, self.decoupled)
+            whole = None not in list(map(_GRAD, params))
+            for r in self._runs_of(params):
+                self._step_run(self._runs[r], hyper, whole)
+        return loss
+
+    def _runs_of(self, params: list[torch.Tensor]) -> list[int]:
+        """The runs ``params`` (a group's list, or its part in one bucket) cover, cached by the list itself."""
+        cached = self._cache.get(id(params))
+        if cached is None or cached[0] is not params or cached[1] != len(params):
+            runs = list(dict.fromkeys(self._where[id(p)][0] for p in params))
+            cached = self._cache[id(params)] = (params, len(params), runs)
+        return cached[2]
+
+    def _step_run(self, rs: _RunState, hyper: tuple, whole: bool) -> None:
+        steps = rs.steps
+        if whole and steps.count(steps[0]) == len(steps):  # the common case: the run as one tensor
+            master, m, v = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load()
+            _adam(master, rs.grad, m, v, steps[0] + 1, hyper)
+            rs.steps = [steps[0] + 1] * len(steps)
+        else:
+            master, m, v = self._step_fragments(rs, hyper)
+        rs.exp_avg.save(m)
+        rs.exp_avg_sq.save(v)
+        rs.keep_master(master)
+
+    def _step_fragments(self, rs: _RunState, hyper: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        master, m, v = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load()
+        for k, index in enumerate(rs.run.fragments):
+            frag = self.fragments[index]
+            if frag.param.grad is None:
+                continue
+            lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
+            rs.steps[k] += 1
+            _adam(master[lo:hi], rs.grad[lo:hi], m[lo:hi], v[lo:hi], rs.steps[k], hyper)
+        return master, m, v
+
+    # ---- the state, per fragment -------------------------------------------------------
+    def fragment_state(self, index: int) -> dict[str, Any]:
+        """``fragments[index]``'s state as torch.optim holds a param's (``{}`` before its first step)."""
+        rs, k = self._locate(index)
+        if rs.steps[k] == 0:
+            return {}
+        frag = self.fragments[index]
+        lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
+        return {
+            "step": torch.tensor(float(rs.steps[k])),
+            "exp_avg": rs.exp_avg.export()[lo:hi].view(frag.param.shape),
+            "exp_avg_sq": rs.exp_avg_sq.export()[lo:hi].view(frag.param.shape),
+        }
+
+    def master_of(self, index: int) -> torch.Tensor:
+        """``fragments[index]``'s fp32 master: a view, or rebuilt from its remainder (a copy)."""
+        rs, k = self._locate(index)
+        frag = self.fragments[index]
+        if rs.remainder is None:
+            return frag.param
+        lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
+        return bf16_rounding.join(rs.param[lo:hi], rs.remainder[lo:hi]).view(frag.param.shape)
+
+    def load_master(self, index: int, values: torch.Tensor) -> None:
+        """Make ``values`` (fp32) ``fragments[index]``'s master: split into param and remainder where kept so."""
+        rs, k = self._locate(index)
+        frag = self.fragments[index]
+        if rs.remainder is None:
+            frag.param.view(-1).copy_(values.reshape(-1))
+            return
+        lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
+        bf16_rounding.split(values.reshape(-1).to(torch.float32).contiguous(), rs.param[lo:hi], rs.remainder[lo:hi])
+
+    def load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
+        """``states[i]`` (torch.optim's per-param form; ``{}``: no state) becomes ``fragments[i]``'s,
+        run by run (8-bit blocks span fragments), rounded to this optimizer's state dtype."""
+        for rs in self._runs:
+            m, v = rs.exp_avg.load().zero_(), rs.exp_avg_sq.load().zero_()
+            for k, index in enumerate(rs.run.fragments):
+                state, frag = states[index], self.fragments[index]
+                lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
+                rs.steps[k] = int(float(state["step"])) if state else 0
+                if state:
+                    m[lo:hi] = state["exp_avg"].reshape(-1)
+                    v[lo:hi] = state["exp_avg_sq"].reshape(-1)
+            rs.exp_avg.save(m)
+            rs.exp_avg_sq.save(v)
+
+    def _locate(self, index: int) -> tuple[_RunState, int]:
+        r, k = self._where[id(self.fragments[index].param)]
+        return self._runs[r], k
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes kept between steps: moments, remainders (step counts are Python ints)."""
+        total = 0
+        for rs in self._runs:
+            total += rs.exp_avg.nbytes + rs.exp_avg_sq.nbytes + (rs.remainder.nbytes if rs.remainder is not None else 0)
+        return total
+
+    # ---- torch.optim's state-dict protocol (opt.rank_state_dict) ------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        index_of = self._index_of()
+        state = {}
+        for i in range(len(self.fragments)):
+            entry = self.fragment_state(i)
+            if entry:
+                entry = {k: v.clone() for k, v in entry.items()}
+                if (remainder := self._remainder_of(i)) is not None:
+                    entry["param_remainder"] = remainder
+                state[index_of[i]] = entry
+        groups, start = [], 0
+        for group in self.param_groups:
+            groups.append({k: v for k, v in group.items() if k != "params"} | {"params": list(range(start, start + len(group["params"])))})
+            start += len(group["params"])
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        saved_groups = state_dict["param_groups"]
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} param groups, this optimizer {len(self.param_groups)}")
+        for group, saved in zip(self.param_groups, saved_groups):
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        index_of = self._index_of()
+        states = [dict(state_dict["state"].get(index_of[i], {})) for i in range(len(self.fragments))]
+        for i, state in enumerate(states):
+            remainder = state.pop("param_remainder", None)
+            rs, k = self._locate(i)
+            if remainder is not None and rs.remainder is not None:
+                lo = rs.offsets[k]
+                rs.remainder[lo : lo + remainder.numel()].copy_(remainder.reshape(-1))
+        self.load_fragment_states(states)
+
+    def _remainder_of(self, index: int) -> Optional[torch.Tensor]:
+        rs, k = self._locate(index)
+        if rs.remainder is None:
+            return None
+        lo = rs.offsets[k]
+        return rs.remainder[lo : lo + self.fragments[index].param.numel()].clone()
+
+    def _index_of(self) -> dict[int, int]:
+        """Fragment index -> its index in torch.optim's flat numbering of the groups' params."""
+        position = {id(p): n for n, p in enumerate(p for group in self.param_groups for p in group["params"])}
+        return {i: position[id(f.param)] for i, f in enumerate(self.fragments)}
+
+
+class _FragmentStates(Mapping[torch.Tensor, dict[str, Any]]):
+    """``ShardAdamW.state``: fragment param -> its state as torch.optim holds it (read-only)."""
+
+    def __init__(self, optimizer: ShardAdamW) -> None:
+        self._optimizer = optimizer
+        self._index = {id(f.param): i for i, f in enumerate(optimizer.fragments)}
+
+    def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
+        state = self._optimizer.fragment_state(self._index[id(param)])
+        if not state:
+            raise KeyError(param)  # no state before the fragment's first update, as torch.optim
+        return state
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (f.param for i, f in enumerate(self._optimizer.fragments) if self._optimizer.fragment_state(i))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def __bool__(self) -> bool:
+        return any(rs.steps.count(0) < len(rs.steps) for rs in self._optimizer._runs)
+
+
+def _hyper(group: dict[str, Any], decoupled: bool) -> tuple:
+    for flag in UNSUPPORTED_FLAGS:
+        if group.get(flag):
+            raise ValueError(f"fxzero's own Adam update (Config.optimizer_state_dtype / param_remainders) does not implement {flag}=True")
+    lr = group["lr"]
+    beta1, beta2 = group["betas"]
+    decoupled = decoupled or bool(group.get("decoupled_weight_decay", False))
+    return (float(lr), float(beta1), float(beta2), group["eps"], group["weight_decay"], group.get("maximize", False), decoupled)
+
+
+def _adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, hyper: tuple) -> None:
+    """One Adam(W) update in place, op for op ``torch.optim.adam._single_tensor_adam`` (no amsgrad)."""
+    lr, beta1, beta2, eps, weight_decay, maximize, decoupled = hyper
+    if maximize:
+        grad = -grad
+    if weight_decay != 0:
+        if decoupled:
+            param.mul_(1 - lr * weight_decay)
+        else:
+            grad = grad.add(param, alpha=weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    bias_correction1 = 1 - beta1**step
+    bias_correction2 = 1 - beta2**step
+    step_size = lr / bias_correction1
+    bias_correction2_sqrt = bias_correction2**0.5
+    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-step_size)
