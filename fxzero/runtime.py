@@ -214,14 +214,19 @@ def build_runtime(
     return runtime
 
 
+def _local_groups(groups: Sequence[dict[str, Any]], table: ParamTable, fragments: Sequence[FragmentTensor]) -> list[dict[str, Any]]:
+    """The optimizer's groups over this rank's fragments, hyperparameters copied."""
+    local_groups = [hyperparameters(group) | {"params": []} for group in groups]
+    for frag in fragments:
+        local_groups[table.rows[frag.slot].group]["params"].append(frag.param)
+    return local_groups
+
+
 def _local_optimizer(
     optimizer_class: type[torch.optim.Optimizer], kwargs: dict[str, Any], groups: Sequence[dict[str, Any]],
     table: ParamTable, fragments: Sequence[FragmentTensor],
 ) -> torch.optim.Optimizer:  # fmt: skip
-    local_groups = [hyperparameters(group) | {"params": []} for group in groups]
-    for frag in fragments:
-        local_groups[table.rows[frag.slot].group]["params"].append(frag.param)
-    return optimizer_class(local_groups, **kwargs)
+    return optimizer_class(_local_groups(groups, table, fragments), **kwargs)
 
 
 def _own_update(config: Config) -> bool:
@@ -254,13 +259,8 @@ def _check_precision(config: Config, optimizer_class: type, groups: Sequence[dic
 
 def _shard_adam(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable,
                 fragments: Sequence[FragmentTensor]) -> ShardAdamW:  # fmt: skip
-    local_groups = [hyperparameters(group) | {"params": []} for group in groups]
-    places = []
-    for frag in fragments:
-        group = table.rows[frag.slot].group
-        local_groups[group]["params"].append(frag.param)
-        places.append(place_of(frag, group, table.bucket_of_slot[frag.slot]))
-    return ShardAdamW(local_groups, fragments, places, state_dtype=config.optimizer_state_dtype,
+    places = [place_of(frag, table.rows[frag.slot].group, table.bucket_of_slot[frag.slot]) for frag in fragments]
+    return ShardAdamW(_local_groups(groups, table, fragments), fragments, places, state_dtype=config.optimizer_state_dtype,
                       remainders=config.param_remainders, decoupled=optimizer_class is torch.optim.AdamW)  # fmt: skip
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import fxzero
 from fxzero.optim.params.bf16_rounding import join, round_into, split
+from fxzero.optim.state.state_dict import MASTER_KEY
 from fxzero.optim.update.moment_store import BlockStore
 from fxzero.testing import run_ranks
 
@@ -207,17 +208,11 @@ def test_state_loads_across_modes_rounding_only_what_the_narrower_mode_cannot_ke
             for key in ("exp_avg", "exp_avg_sq"):
                 want, got = saved[key].float(), loaded["state"][slot][key].float()
                 assert bool(((got - want).abs() <= relative * want.abs() + floor * want.abs().max()).all()), (label, key)
-            assert torch.equal(loaded["state"][slot][fxzero_master_key()], saved[fxzero_master_key()]), label
+            assert torch.equal(loaded["state"][slot][MASTER_KEY], saved[MASTER_KEY]), label
         other = copy.deepcopy(model)
         back = fxzero.DistributedOptimizer(param_groups(other), torch.optim.AdamW, lr=LR, module=other, config=fxzero.Config(bucket_size=2000))
         back.load_state_dict(loaded)  # and back to fp32: exact (a widening)
         assert all(torch.equal(back.state_dict()["state"][s]["exp_avg"], loaded["state"][s]["exp_avg"].float()) for s in loaded["state"])
-
-
-def fxzero_master_key() -> str:
-    from fxzero.optim.state.state_dict import MASTER_KEY
-
-    return MASTER_KEY
 
 
 # ---- world 1 and 2, eager and Inductor, MXFP8 gather on and off -----------------------------------
@@ -295,3 +290,46 @@ def _steps_mlp(model: torch.nn.Module, opt: Any) -> None:
     loss_fn("mlp", model(x.to(torch.bfloat16)).float(), y).backward()
     opt.step()
     opt.zero_grad()
+
+
+# ---- other model families, default configurations, and the loops around them ----------------------
+def _hf_gpt2() -> torch.nn.Module:
+    """A tiny GPT-2 from its config: its default dropouts (embedding, attention, residual 0.1) are on."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=16, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _family_run(name: str, options: dict[str, Any], accumulate: int = 1) -> list[torch.Tensor]:
+    """Three steps of ``name`` in bf16 (``accumulate`` microbatches each, under ``no_sync``); its params."""
+    import contextlib
+
+    model = (_hf_gpt2() if name == "hf_gpt2" else build(name)).to(torch.bfloat16)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, module=model, config=fxzero.Config(bucket_size=2000, **options))
+    torch.manual_seed(0)  # dropout: the same masks in each run
+    for step in range(3):
+        for micro in range(accumulate):
+            x, y = batch("gpt" if name == "hf_gpt2" else name, step * accumulate + micro, GLOBAL)
+            with opt.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                if name == "hf_gpt2":
+                    loss = model(input_ids=x, labels=x).loss
+                else:
+                    x = x if x.dtype == torch.long else x.to(torch.bfloat16)
+                    loss = loss_fn(name, model(x, **forward_kwargs(name, step)).float(), y)
+                (loss / accumulate).backward()
+        assert not opt.step().skipped
+        opt.zero_grad()
+    return [p.detach().float().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("name", ["conv", "adapters", "expert_loop", "mlp_frozen", "hf_gpt2"])
+def test_model_families_keep_remainders_bitwise_and_train_with_narrow_state(name: str) -> None:
+    """A conv net, adapters and experts picked in Python, a partly frozen MLP, and Hugging Face's GPT-2 with
+    its default dropout (tied embeddings), with gradient accumulation under ``no_sync``."""
+    half_away = _family_run(name, {"param_rounding": "half_away"}, accumulate=2)
+    assert all(torch.equal(a, b) for a, b in zip(half_away, _family_run(name, {"param_remainders": True}, accumulate=2)))
+    for dtype in ("bf16", "fp8"):
+        narrow = _family_run(name, {"optimizer_state_dtype": dtype, "param_remainders": True}, accumulate=2)
+        assert all(bool(p.isfinite().all()) for p in narrow)
+        assert max(float((a - b).abs().max()) for a, b in zip(narrow, half_away)) < 1.5 * 3 * LR, (name, dtype)

@@ -61,7 +61,8 @@ class _RunState:
     remainder: Optional[torch.Tensor]
     steps: list[int]
     """One count per fragment of the run."""
-    offsets: list[int]
+    spans: list[slice]
+    """Where each fragment of the run lies in it."""
 
     def master(self) -> torch.Tensor:
         return self.param if self.remainder is None else bf16_rounding.join(self.param, self.remainder)
@@ -93,10 +94,13 @@ class ShardAdamW(torch.optim.Optimizer):
         param = first.param.as_strided((n,), (1,), run.start)
         grad = first.grad.as_strided((n,), (1,), run.grad_start)
         remainder = torch.zeros(n, dtype=torch.int16, device=param.device) if remainders and param.dtype == torch.bfloat16 else None
-        offsets = [self.fragments[i].param.storage_offset() - run.start for i in run.fragments]
+        spans = []
+        for i in run.fragments:
+            lo = self.fragments[i].param.storage_offset() - run.start
+            spans.append(slice(lo, lo + self.fragments[i].param.numel()))
         device = param.device
         return _RunState(run, param, grad, make_store(self.state_dtype, n, device, second=False),
-                         make_store(self.state_dtype, n, device, second=True), remainder, [0] * len(run.fragments), offsets)  # fmt: skip
+                         make_store(self.state_dtype, n, device, second=True), remainder, [0] * len(run.fragments), spans)  # fmt: skip
 
     # ---- the step -------------------------------------------------------------------
     @torch.no_grad()
@@ -113,7 +117,10 @@ class ShardAdamW(torch.optim.Optimizer):
         return loss
 
     def _runs_of(self, params: list[torch.Tensor]) -> list[int]:
-        """The runs ``params`` (a group's list, or its part in one bucket) cover, cached by the list itself."""
+        """The runs ``params`` covers, cached by the list itself: it is this optimizer's own group list
+        or a bucket's part of it (:class:`~fxzero.optim.update.bucketed_update.BucketParts`), each made
+        once and never changed (the user's groups are checked by ``check_param_groups_kept``); the
+        cache holds the list, so its id is not reused while cached."""
         cached = self._cache.get(id(params))
         if cached is None or cached[0] is not params or cached[1] != len(params):
             runs = list(dict.fromkeys(self._where[id(p)][0] for p in params))
@@ -121,27 +128,21 @@ class ShardAdamW(torch.optim.Optimizer):
         return cached[2]
 
     def _step_run(self, rs: _RunState, hyper: tuple, whole: bool) -> None:
-        steps = rs.steps
-        if whole and steps.count(steps[0]) == len(steps):  # the common case: the run as one tensor
-            master, m, v = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load()
+        """Update run ``rs``: as one tensor when every fragment steps and their counts agree (the
+        common case), else fragment by fragment (a hidden one keeps its values and count)."""
+        master, m, v, steps = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load(), rs.steps
+        if whole and steps.count(steps[0]) == len(steps):
             _adam(master, rs.grad, m, v, steps[0] + 1, hyper)
             rs.steps = [steps[0] + 1] * len(steps)
         else:
-            master, m, v = self._step_fragments(rs, hyper)
+            for k, index in enumerate(rs.run.fragments):
+                if self.fragments[index].param.grad is not None:
+                    steps[k] += 1
+                    at = rs.spans[k]
+                    _adam(master[at], rs.grad[at], m[at], v[at], steps[k], hyper)
         rs.exp_avg.save(m)
         rs.exp_avg_sq.save(v)
         rs.keep_master(master)
-
-    def _step_fragments(self, rs: _RunState, hyper: tuple) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        master, m, v = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load()
-        for k, index in enumerate(rs.run.fragments):
-            frag = self.fragments[index]
-            if frag.param.grad is None:
-                continue
-            lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
-            rs.steps[k] += 1
-            _adam(master[lo:hi], rs.grad[lo:hi], m[lo:hi], v[lo:hi], rs.steps[k], hyper)
-        return master, m, v
 
     # ---- the state, per fragment -------------------------------------------------------
     def fragment_state(self, index: int) -> dict[str, Any]:
@@ -149,12 +150,11 @@ class ShardAdamW(torch.optim.Optimizer):
         rs, k = self._locate(index)
         if rs.steps[k] == 0:
             return {}
-        frag = self.fragments[index]
-        lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
+        shape, at = self.fragments[index].param.shape, rs.spans[k]
         return {
             "step": torch.tensor(float(rs.steps[k])),
-            "exp_avg": rs.exp_avg.export()[lo:hi].view(frag.param.shape),
-            "exp_avg_sq": rs.exp_avg_sq.export()[lo:hi].view(frag.param.shape),
+            "exp_avg": rs.exp_avg.export()[at].view(shape),
+            "exp_avg_sq": rs.exp_avg_sq.export()[at].view(shape),
         }
 
     def master_of(self, index: int) -> torch.Tensor:
@@ -163,18 +163,17 @@ class ShardAdamW(torch.optim.Optimizer):
         frag = self.fragments[index]
         if rs.remainder is None:
             return frag.param
-        lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
-        return bf16_rounding.join(rs.param[lo:hi], rs.remainder[lo:hi]).view(frag.param.shape)
+        at = rs.spans[k]
+        return bf16_rounding.join(rs.param[at], rs.remainder[at]).view(frag.param.shape)
 
     def load_master(self, index: int, values: torch.Tensor) -> None:
         """Make ``values`` (fp32) ``fragments[index]``'s master: split into param and remainder where kept so."""
         rs, k = self._locate(index)
-        frag = self.fragments[index]
         if rs.remainder is None:
-            frag.param.view(-1).copy_(values.reshape(-1))
+            self.fragments[index].param.view(-1).copy_(values.reshape(-1))
             return
-        lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
-        bf16_rounding.split(values.reshape(-1).to(torch.float32).contiguous(), rs.param[lo:hi], rs.remainder[lo:hi])
+        at = rs.spans[k]
+        bf16_rounding.split(values.reshape(-1).to(torch.float32).contiguous(), rs.param[at], rs.remainder[at])
 
     def load_fragment_states(self, states: Sequence[dict[str, Any]]) -> None:
         """``states[i]`` (torch.optim's per-param form; ``{}``: no state) becomes ``fragments[i]``'s,
@@ -182,12 +181,11 @@ class ShardAdamW(torch.optim.Optimizer):
         for rs in self._runs:
             m, v = rs.exp_avg.load().zero_(), rs.exp_avg_sq.load().zero_()
             for k, index in enumerate(rs.run.fragments):
-                state, frag = states[index], self.fragments[index]
-                lo, hi = rs.offsets[k], rs.offsets[k] + frag.param.numel()
+                state = states[index]
                 rs.steps[k] = int(float(state["step"])) if state else 0
                 if state:
-                    m[lo:hi] = state["exp_avg"].reshape(-1)
-                    v[lo:hi] = state["exp_avg_sq"].reshape(-1)
+                    m[rs.spans[k]] = state["exp_avg"].reshape(-1)
+                    v[rs.spans[k]] = state["exp_avg_sq"].reshape(-1)
             rs.exp_avg.save(m)
             rs.exp_avg_sq.save(v)
 
@@ -232,16 +230,14 @@ class ShardAdamW(torch.optim.Optimizer):
             remainder = state.pop("param_remainder", None)
             rs, k = self._locate(i)
             if remainder is not None and rs.remainder is not None:
-                lo = rs.offsets[k]
-                rs.remainder[lo : lo + remainder.numel()].copy_(remainder.reshape(-1))
+                rs.remainder[rs.spans[k]].copy_(remainder.reshape(-1))
         self.load_fragment_states(states)
 
     def _remainder_of(self, index: int) -> Optional[torch.Tensor]:
         rs, k = self._locate(index)
         if rs.remainder is None:
             return None
-        lo = rs.offsets[k]
-        return rs.remainder[lo : lo + self.fragments[index].param.numel()].clone()
+        return rs.remainder[rs.spans[k]].clone()
 
     def _index_of(self) -> dict[int, int]:
         """Fragment index -> its index in torch.optim's flat numbering of the groups' params."""
