@@ -40,6 +40,7 @@ from .optim.layout.group_plan import GroupPlan, plan_groups
 from .optim.layout.layout_agreement import check_ranks_agree, describe_layout
 from .optim.layout.ownership import Balance, balance
 from .optim.layout.param_table import ParamTable
+from .optim.params.ddp_guard import refuse_ddp_module
 from .optim.layout.validation import check_leaves, check_param_groups_kept, resolve_state_sharding
 from .optim.state.added_groups import carried_over, pending_gradients
 from .optim.state.rank_state import RankState
@@ -86,6 +87,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         module: Optional[torch.nn.Module] = None,
         **defaults: Any,
     ) -> None:
+        refuse_ddp_module(module)
         self.config = config if config is not None else Config()
         if not isinstance(self.config, Config):
             raise TypeError(f"config must be a fxzero.Config, got {type(self.config).__name__}")
@@ -251,8 +253,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def finish_param_sync(self) -> None:
         """Make every param current (waits for, and launches, the remaining gathers).
-        Call it before reading params outside a forward, e.g. to evaluate them by hand."""
+        Call it before reading params outside a forward, e.g. to evaluate them by hand, and
+        before writing them (``p.data.copy_(t)``, or ``p.data = t`` with a tensor of its shape)."""
         self.runtime.param_sync.finish()
+        self.runtime.param_watch.note_synced()
 
     # ---- gradient accumulation and zeroing --------------------------------------
     def no_sync(self) -> contextlib.AbstractContextManager[None]:

@@ -112,6 +112,8 @@ class GraphCompiler:
         if not managed:
             _warn_if_unmanaged(example_inputs, graph_id)
         names = compat.dynamo_input_names(gm)
+        for m in managed:  # messages about a param built without a name can give its module path
+            managers[m.manager].param_table.learn_alias(example_inputs[m.position], names[m.position])
         hooked = _hooked_positions(example_inputs, managed, names)
         dumper = None
         if recorder is not None or dump.resolve_dump_dir(dump_dir) is not None or compat.tracing() or dump.log.isEnabledFor(logging.INFO):
@@ -204,8 +206,12 @@ def _hooked_positions(example_inputs: Sequence[Any], managed: Sequence[ManagedPa
 def _warn_if_unmanaged(example_inputs: Sequence[Any], graph_id: GraphId) -> None:
     if any(isinstance(x, torch.nn.Parameter) and x.requires_grad for x in example_inputs):
         warnings.warn(
-            f"fxzero: the trainable params of compiled graph {graph_id} are not managed by any fxzero.DistributedOptimizer; "
-            "it compiles and trains as plain torch.compile (gradients go to param.grad)",
+            f"fxzero: the trainable params of compiled graph {graph_id} are not managed by any fxzero.DistributedOptimizer "
+            "at this compile, so the graph carries no in-graph gradient hand-off and no gather waits. If you build a "
+            "DistributedOptimizer over them, build it before the first compiled call, or call torch.compiler.reset() "
+            "after building it so the graph recompiles with them (until then it runs exact but slower). A model no "
+            "DistributedOptimizer manages trains as plain torch.compile (gradients go to param.grad); compile it with "
+            "another backend to silence this.",
             stacklevel=4,
         )
 

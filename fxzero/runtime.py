@@ -46,7 +46,7 @@ import torch
 
 from . import _torch_compat as compat
 from . import torch_log
-from .compiled.binding import GraphBinding, ManagerRef
+from .compiled.binding import GraphBinding, ManagerRef, manager_of
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.communication.comm import DataParallelGroup, settle
@@ -65,6 +65,7 @@ from .optim.params.initial_broadcast import broadcast_initial_state
 from .optim.params.param_sync import Gather, ParamSync, PlainGather, Publish
 from .optim.params.param_waits import install_param_waits
 from .optim.params.param_watch import ParamWatch
+from .optim.state.state_check import StateProbe
 from .optim.state.sharded_state import ShardedState
 from .optim.state.state_dict import hyperparameters
 from .optim.update.bucketed_update import updates_param_by_param
@@ -195,13 +196,14 @@ def build_runtime(
     stepwise = config.overlap_param_gather_with_optimizer_step and dp.size > 1
     reduced = ReducedGrads(ledger, reductions, shards, fragments, dp, mesh_params.norms(len(table.params), table.params[0].device),
                            param_sync.take_written)  # fmt: skip
-    param_watch = ParamWatch(table, shards, gather, dp.rank, ledger.compiled, adopt_copies=not overlap)
+    param_watch = ParamWatch(table, shards, gather, dp.rank, ledger.compiled, overlapped=param_sync if overlap else None)
     grad_views = GradViews(table, reduced, param_watch.check, reset=_weakly(manager.zero_grad))
     grad_sync = GradSync(table.params, ledger, reductions, before_grad_write=before_grad_write, after_backward=grad_views.install,
                          reset_if_cleared=grad_views.reset_if_cleared, local_grads=mesh_params.dtensor_slots)  # fmt: skip
     state = ShardedState(dp=dp, table=table, param_groups=manager.param_groups, buffers=buffers, shards=shards, fragments=fragments,
                          local=local, mesh_params=mesh_params, timeout=config.state_dict_timeout, finish_gathers=param_sync.finish,
-                         publish_and_gather=publish.all, store=local if own_update else TorchOptimStore(local, fragments))  # fmt: skip
+                         publish_and_gather=publish.all, store=local if own_update else TorchOptimStore(local, fragments),
+                         probe=StateProbe(optimizer_class, dict(kwargs)))  # fmt: skip
     runtime = Runtime(
         whole_params=whole_params, mesh_params=mesh_params, buckets=buckets, buffer_sync=buffer_sync, gather=gather,
         param_sync=param_sync, ledger=ledger, reductions=reductions, shards=tuple(shards), fragments=tuple(fragments), local=local,
@@ -290,10 +292,20 @@ def _attach(manager: torch.optim.Optimizer, runtime: Runtime, table: ParamTable,
     teardown.append(weakref.finalize(manager, runtime.grad_sync.remove_hooks))
     teardown.append(weakref.finalize(manager, runtime.grad_views.remove))
     if module is not None:
+        _name_for_others(manager, module)
         handles = [*install_param_waits(module, table, runtime.param_sync), module.register_forward_pre_hook(refuse_ddp)]
         teardown.append(weakref.finalize(manager, _remove_handles, handles))
         # Accelerate's and Trainer's accumulation look for model.no_sync
         teardown.append(weakref.finalize(manager, install_no_sync(module, runtime.grad_sync.no_sync)))
+
+
+def _name_for_others(manager: torch.optim.Optimizer, module: torch.nn.Module) -> None:
+    """Params of ``module`` that another DistributedOptimizer built without ``module=`` manages
+    (an actor-critic's critic optimizer): its messages name them by their path in ``module``."""
+    for path, param in module.named_parameters():
+        other = manager_of(param)
+        if other is not None and other is not manager:
+            other.param_table.learn_alias(param, path)
 
 
 def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:

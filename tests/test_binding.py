@@ -148,7 +148,9 @@ def _losses_with_warm_up(warm_up: bool) -> list[float]:
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8))
     cmodel = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
     if warm_up:  # a forward and backward before any optimizer exists: plain torch.compile's graphs
-        with pytest.warns(UserWarning, match="not managed by any fxzero.DistributedOptimizer"):
+        # what it says is true once the optimizer exists too, and names the fix
+        with pytest.warns(UserWarning, match=r"not managed by any fxzero.DistributedOptimizer at this compile.*build it before the "
+                          r"first compiled call, or call torch\.compiler\.reset\(\) after building it"):
             cmodel(torch.randn(4, 8)).sum().backward()
         model.zero_grad()
     opt = _mxfp8(model, overlap=True)

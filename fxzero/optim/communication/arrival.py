@@ -93,6 +93,7 @@ def meet(
     if store.check([f"{key}/differ"]):
         raise Mismatch(first, store.get(f"{key}/differ").decode())
     _forget(store, prefix, generation - 1, rank)
+    dp.forget_note()  # every rank is here: a note this rank left at an earlier failed meeting is stale
 
 
 @dataclasses.dataclass
@@ -111,9 +112,7 @@ class _Clock:
             return
         if not self.warned and time.monotonic() < deadline:
             self.warned = True
-            message = self.late()
-            log.warning("%s", message)
-            warnings.warn(message, stacklevel=5)
+            warnings.warn(self.late(), stacklevel=5)  # once: a log record besides would print it twice
         if _wait_until(store, key, deadline):
             return
         raise Absent(_missing(store, call_key, size), self.timeout)

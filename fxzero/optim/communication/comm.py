@@ -7,19 +7,35 @@ is a first-class case in which no collective is ever issued.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import logging
 import time
-from typing import Any, Literal, Optional, Sequence
+from typing import Any, Iterator, Literal, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
+from ..._torch_compat import process_group_store
+
 __all__ = ["AllOf", "CollectiveError", "DataParallelGroup", "describe_params", "settle"]
 
 log = logging.getLogger(__name__)
+
+
+_NOTES = "fxzero/notes"
+"""Where ranks leave why they stopped (:meth:`DataParallelGroup.leave_note`) in the group's store."""
+
+
+@contextlib.contextmanager
+def _store_errors_ignored() -> Iterator[None]:
+    """A store whose host died (the job's rank 0 hosts it outside torchrun) or timed out."""
+    try:
+        yield
+    except Exception as error:  # DistStoreError, RuntimeError, ConnectionError
+        log.debug("the process group's store could not be reached: %s", error)
 
 
 class CollectiveError(RuntimeError):
@@ -248,10 +264,38 @@ class DataParallelGroup:
         except RuntimeError as err:  # DistBackendError and gloo's timeouts are RuntimeErrors
             where = f" of bucket {bucket}" if bucket is not None else ""
             where += f" (params: {params})" if params else ""
+            cause = self._peer_note()
+            if cause is not None:
+                raise CollectiveError(f"fxzero: rank {self.rank} of {self.size} failed waiting for the {what}{where}: {cause}") from err
             raise CollectiveError(
                 f"fxzero: rank {self.rank} of {self.size} failed waiting for the {what}{where}: {err}. "
                 "A peer rank probably died or stopped answering; this process group cannot be used any more."
             ) from err
+
+    def leave_note(self, message: str) -> None:
+        """Record in the group's store why this rank is about to raise out of a call the others
+        did not make (``opt.state_dict()`` on rank 0 alone): a peer whose next collective then
+        fails on this rank's exit says so, with this rank's fix, instead of gloo's "Connection
+        closed by peer". Best effort: a store that cannot be reached records nothing."""
+        if self.size > 1:
+            with _store_errors_ignored():
+                process_group_store(self.group).set(f"{_NOTES}/{self.rank}", message)
+
+    def forget_note(self) -> None:
+        """This rank met the others again: its earlier note no longer explains anything."""
+        if self.size > 1:
+            with _store_errors_ignored():
+                process_group_store(self.group).delete_key(f"{_NOTES}/{self.rank}")
+
+    def _peer_note(self) -> Optional[str]:
+        """The first note another rank left (:meth:`leave_note`), as this rank's error tells it."""
+        with _store_errors_ignored():
+            store = process_group_store(self.group)
+            for rank in range(self.size):
+                if rank != self.rank and store.check([f"{_NOTES}/{rank}"]):
+                    note = store.get(f"{_NOTES}/{rank}").decode()
+                    return f"rank {rank} stopped first, with this error: {note}"
+        return None
 
     def agree(self, problem: Optional[str], what: str) -> None:
         """Raise on every rank if ``problem`` is set on any (collective, for rare paths such as

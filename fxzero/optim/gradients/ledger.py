@@ -328,10 +328,12 @@ class Ledger:
         """Raise :class:`LateGradient` naming param ``slot`` if ``bucket`` launched this step."""
         if bucket < self._next:
             raise LateGradient(
-                f"fxzero: param {self._table.label(slot)} received a gradient after bucket {bucket} was already "
-                "reduce-scattered in this step. Run every backward but the last inside `optimizer.no_sync()`, "
-                "or call `optimizer.step()`/`zero_grad()` (or `model.zero_grad()` over every param of this "
-                "optimizer) between backwards."
+                f"fxzero: param {self._table.called(slot)!r} of {self._table.describe_optimizer()} received a gradient "
+                f"after its bucket {bucket} was already reduce-scattered in this step: an earlier backward of this step "
+                "reached that bucket while this optimizer was not in no_sync(). Run every backward but the last inside "
+                "the `no_sync()` of every DistributedOptimizer whose params it reaches (two optimizers: `with "
+                "opt_a.no_sync(), opt_b.no_sync():`), or detach what the earlier loss should not train, or call "
+                "`optimizer.step()`/`zero_grad()` (or `model.zero_grad()` over every param of this optimizer) between backwards."
             )
 
     def _arrived(self) -> None:

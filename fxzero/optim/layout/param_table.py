@@ -64,6 +64,8 @@ class ParamTable:
         self._slot_of = {id(row.param): row.slot for row in self.rows}
         self._slot_of_local = {id(local): row.slot for row in self.rows if (local := local_of(row.param)) is not row.param}
         """DTensor params' local tensors (as they were at construction: a model cast since has new ones)."""
+        self._aliases: dict[int, str] = {}
+        """Module paths learned after construction for params built without a name (:meth:`call`)."""
 
     @classmethod
     def build(
@@ -101,6 +103,26 @@ class ParamTable:
 
     def label(self, slot: int) -> str:
         return self.rows[slot].label
+
+    def learn_alias(self, param: Any, path: str) -> None:
+        """``param`` is known elsewhere as ``path``: a compiled graph's module path, or the
+        module another optimizer was given. Only messages use it (:meth:`called`): names that
+        key anything (checkpoints, ``full_grads``, layout agreement) never change after construction."""
+        slot = self.find(param)
+        if slot is not None and self.rows[slot].name is None:
+            self._aliases.setdefault(slot, path)
+
+    def called(self, slot: int) -> str:
+        """How an error names the param: its name, else a module path learned since
+        (:meth:`learn_alias`: two optimizers over one model, one given ``module=``), else its slot."""
+        alias = self._aliases.get(slot)
+        return alias if alias is not None and self.rows[slot].name is None else self.rows[slot].label
+
+    def describe_optimizer(self) -> str:
+        """Which optimizer this table is, for a message: ``the DistributedOptimizer over a.weight, a.bias, … (6 params)``."""
+        shown = ", ".join(self.called(s) for s in range(min(2, len(self.rows))))
+        more = ", …" if len(self.rows) > 2 else ""
+        return f"the DistributedOptimizer over {shown}{more} ({len(self.rows)} params)"
 
     def describe(self, slots: Sequence[int], limit: int = 4) -> str:
         """``a.weight, b.bias, … (12 params, 1,050,112 elements)``: what a failed collective names."""

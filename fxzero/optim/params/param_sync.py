@@ -166,6 +166,9 @@ class ParamSync:
         """This step's gathers stay in flight when it returns (overlap on, no profiler running)."""
         self.written: list[int] = []
         """Buckets whose own shard was written while the gathers were in flight, until :meth:`take_written`."""
+        self.generation = 0
+        """How many steps have started gathers (:meth:`begin`): a copy of a param taken at an
+        older generation's end may predate a gather (:class:`~fxzero.optim.params.param_watch.ParamWatch`)."""
 
     def start(self) -> None:
         """Every shard is updated: gather them all (launch all, or launch all and wait)."""
@@ -187,6 +190,7 @@ class ParamSync:
         for index in range(len(self.buckets)):
             self._stale[index] = True
         self.stale = len(self.buckets)
+        self.generation += 1
         self._next_launch = 0
         # Under torch.profiler the gathers finish inside the step: a profiler that stops
         # while gloo work started under it is in flight crashed the next wait (torch 2.13).

@@ -28,13 +28,13 @@ every ``step()``:
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from ..._torch_compat import dtensor_local, is_dtensor, tensor_hooks
 from ..layout.mesh import local_of, rebind
-from .param_sync import Gather, as_words
+from .param_sync import Gather, ParamSync, as_words
 from ..layout.param_table import ParamTable
 from ..layout.shards import BucketShard
 
@@ -47,10 +47,15 @@ class ParamWatch:
     """Per-step checks that the params are still the ones the optimizer updates."""
 
     def __init__(
-        self, table: ParamTable, shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: Sequence[int], *, adopt_copies: bool = True
-    ) -> None:
-        self._adopt = adopt_copies
-        """Whether a param's copy holding other values is taken in (not with ``overlap_param_gather``: see :func:`_rebind_copy`)."""
+        self, table: ParamTable, shards: Sequence[BucketShard], gather: Gather, rank: int, compiled: Sequence[int], *,
+        overlapped: Optional[ParamSync] = None,
+    ) -> None:  # fmt: skip
+        self._overlapped = overlapped
+        """The gathers that outlive ``step()`` (``overlap_param_gather``), or ``None``: then a
+        param's copy holding other values is always taken in (see :func:`_rebind_copy`)."""
+        self._synced_at = 0
+        """The gathers' generation at which every param was last seen a view of its buffer with
+        no gather in flight (:meth:`note_synced`): a copy taken since holds current values."""
         self.table, self.params, self.gather, self.rank = table, table.params, gather, rank
         # a DTensor param has no storage of its own: its local tensor is the buffer's view
         self._dtensors = tuple(i for i, p in enumerate(self.params) if is_dtensor(p))
@@ -75,6 +80,17 @@ class ParamWatch:
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.scratch)
 
+    def note_synced(self) -> None:
+        """``opt.finish_param_sync()`` returned: if every param is still a view of its buffer, a
+        ``param.data = t`` from now until the next step's gathers holds values the user chose
+        with every gather landed, and is taken in."""
+        if self._overlapped is not None and self._overlapped.stale == 0 and list(map(torch.Tensor.data_ptr, self.params)) == self._pointers:
+            self._synced_at = self._overlapped.generation
+
+    @property
+    def _adopt(self) -> bool:
+        return self._overlapped is None or self._synced_at == self._overlapped.generation
+
     def check(self) -> None:
         """Raise if a param was moved, cast or rebound, or got tensor hooks too late."""
         # one C-level pass each in the common case; the loop below only names the culprit
@@ -84,16 +100,24 @@ class ParamWatch:
             and (not self._dtensor_params or list(map(torch.Tensor.data_ptr, map(dtensor_local, self._dtensor_params))) == self._local_pointers)
         ):
             return
+        adopt = self._adopt
         for slot, (param, pointer) in enumerate(zip(self.params, self._pointers)):
-            if param.data_ptr() != pointer and not _rebind_copy(param, self._views[slot], self._adopt):
-                raise RuntimeError(_moved_message(self.table.label(slot), param))
+            if param.data_ptr() != pointer:
+                self._rebind(slot, param, adopt)
         for slot, pointer in zip(self._dtensors, self._local_pointers):
             param = self.params[slot]
-            if dtensor_local(param).data_ptr() != pointer and not _rebind_copy(param, self._views[slot], self._adopt):
-                raise RuntimeError(_moved_message(self.table.label(slot), param))
+            if dtensor_local(param).data_ptr() != pointer:
+                self._rebind(slot, param, adopt)
         for slot, param in enumerate(self.params):
             if tensor_hooks(param) and self._compiled[slot]:
                 raise RuntimeError(_late_hook_message(self.table.label(slot)))
+
+    def _rebind(self, slot: int, param: torch.Tensor, adopt: bool) -> None:
+        refused = _rebind_copy(param, self._views[slot], adopt)
+        if refused == "moved":
+            raise RuntimeError(_moved_message(self.table.label(slot), param))
+        if refused == "in flight":
+            raise RuntimeError(_copy_in_flight_message(self.table.label(slot)))
 
     def adopt_outside_writes(self) -> None:
         """Masters take every value of this rank's shards written outside the optimizer."""
@@ -110,28 +134,28 @@ class ParamWatch:
                 )
 
 
-def _rebind_copy(param: torch.Tensor, view: torch.Tensor, adopt: bool) -> bool:
+def _rebind_copy(param: torch.Tensor, view: torch.Tensor, adopt: bool) -> Optional[str]:
     """Point ``param`` back at its buffer ``view`` if it now holds a tensor of the same dtype,
     device and shape: a move to the device it was on (``model.to("cpu:0")`` copies CPU
     tensors, whose device is ``cpu``: HF Trainer and Accelerate move the model to their device
     after the optimizer exists), or ``param.data = t``. Values that differ (Trainer's resume
     loads the checkpoint's weights into those copies) are copied into the view first, as
     torch.optim would go on training whatever ``param.data`` now holds, when ``adopt``: with
-    ``overlap_param_gather`` a copy may have been taken before a gather landed, and its stale
-    values would undo a step, so they are refused there. A cast or a real move is refused."""
+    ``overlap_param_gather`` a copy taken before the gathers landed holds stale values that
+    would undo a step, so only one made after ``opt.finish_param_sync()`` is taken in
+    (``"in flight"`` otherwise). A cast or a real move is refused (``"moved"``)."""
     local = local_of(param)
     same = local.dtype == view.dtype and local.device == view.device and local.shape == view.shape
     if not same:
-        return False
+        return "moved"
     if not torch.equal(local.data, view):
         if not adopt:
-            return False
+            return "in flight"
         view.copy_(local.data)
         log.info("values written into a copy of a param taken into the optimizer's flat buffer")
     rebind(param, view)
     log.info("a param moved to the device it was on is a view of the optimizer's flat buffer again")
-    return True
-
+    return None
 
 
 def _moved_message(label: str, param: torch.Tensor) -> str:
@@ -140,6 +164,15 @@ def _moved_message(label: str, param: torch.Tensor) -> str:
         "optimizer's flat buffer: the model was cast or moved (model.double()/.half()/.to(...)) or `param.data` "
         "was replaced after DistributedOptimizer was built, so step() could not update it. Move and cast the "
         "model first, then build the optimizer."
+    )
+
+
+def _copy_in_flight_message(label: str) -> str:
+    return (
+        f"fxzero: param {label!r}'s `.data` was replaced by a tensor holding other values while the all-gathers of "
+        "Config(overlap_param_gather=True) could still land after it was taken: its values may be older than the "
+        "last step's, and taking them in would undo it. Call opt.finish_param_sync() first, then replace "
+        "`param.data` (or write in place: `param.data.copy_(t)`)."
     )
 
 

@@ -26,8 +26,9 @@ from ..layout.param_table import ParamTable
 from .fragment_store import FragmentStore
 from .rank_state import RankState, held_on_any_rank
 from ..layout.shards import BucketShard, FragmentTensor
-from .state_dict import MASTER_KEY, STATE_FORMAT, check_state_dict, consolidated_state, hyperparameters, is_plain_state_dict
+from .state_dict import MASTER_KEY, REMAINDER_KEY, STATE_FORMAT, check_state_dict, consolidated_state, hyperparameters, is_plain_state_dict
 from .state_dict import layout_key, plain_fragment_states
+from .state_check import StateProbe, Target, check_groups, check_states
 
 __all__ = ["STATE_DICT_WARNING", "ShardedState"]
 
@@ -46,6 +47,7 @@ class ShardedState:
         self, *, dp: DataParallelGroup, table: ParamTable, param_groups: list[dict[str, Any]], buffers: Sequence[ParamAndGradBuffer],
         shards: Sequence[BucketShard], fragments: Sequence[FragmentTensor], local: torch.optim.Optimizer, mesh_params: MeshParams,
         timeout: float, finish_gathers: Callable[[], None], publish_and_gather: Callable[[], None], store: FragmentStore,
+        probe: StateProbe,
     ) -> None:  # fmt: skip
         self.dp, self.param_table, self.param_groups, self.buffers = dp, table, param_groups, buffers
         self.shards, self.fragments, self.local, self.mesh_params = shards, fragments, local, mesh_params
@@ -53,6 +55,8 @@ class ShardedState:
         self.params = table.params
         self.store = store
         """Where the per-fragment state and fp32 masters are kept (:mod:`fxzero.optim.state.fragment_store`)."""
+        self.probe = probe
+        """The wrapped class, asked whether it can step from a state given to :meth:`load_state_dict`."""
         self._index = {id(f): i for i, f in enumerate(fragments)}
         self.rank_state = RankState(table, fragments, local)
         """Each managed param's state as this rank holds it (``opt.state``, :mod:`fxzero.optim.state.rank_state`)."""
@@ -101,35 +105,91 @@ class ShardedState:
             meet(self.dp, STATE_DICT_KEYS, call, self.timeout, device,
                  warn_after=STATE_DICT_WARNING, late=functools.partial(_late, self.dp, call))  # fmt: skip
         except (Absent, Mismatch) as err:
-            raise RuntimeError(_not_collective(self.dp, call, err)) from None
+            message = _not_collective(self.dp, call, err)
+            self.dp.leave_note(message)  # the ranks that went on fail with it, not with "Connection closed by peer"
+            raise RuntimeError(message) from None
         self.finish_param_sync()
         return self.consolidated_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """What ``opt.load_state_dict()`` does inside the optimizer's load-state-dict hooks."""
-        self.consolidated = None
+        """What ``opt.load_state_dict()`` does inside the optimizer's load-state-dict hooks.
+        Everything is checked before anything changes (:mod:`~fxzero.optim.state.state_check`),
+        and the ranks agree on the verdict: a refusal raises on every rank and leaves the
+        optimizer as it was."""
         plain = is_plain_state_dict(state_dict)
         if plain:
             self.refuse_param_shaped_state("load_state_dict of a plain torch.optim state dict")
         problem, states = None, []
         try:
             if plain:
-                states = plain_fragment_states(state_dict, self.param_table, self.fragments)
+                checked = state_dict | {"state": self._check_plain(state_dict)}
+                states = plain_fragment_states(checked, self.param_table, self.fragments)
             else:
                 check_state_dict(state_dict, self.dp, layout_key(self.buffers), len(self.param_groups))
+                local = state_dict["local"] | {"state": self._check_rank_state(state_dict)}
         except (ValueError, KeyError, TypeError) as err:
             problem = str(err)
         self.dp.agree(problem, "load_state_dict")
+        self.consolidated = None
         with self.replacing():
             if plain:
                 self.load_whole_states(states)
             else:
-                self.local.load_state_dict(state_dict["local"])
+                self.local.load_state_dict(local)
                 separate = [s for s in self.shards if not s.main_is_param]
                 for shard, saved in zip(separate, state_dict["main_shards"]):
                     shard.main.copy_(saved)
             for group, saved in zip(self.param_groups, state_dict["param_groups"]):
                 group.update(hyperparameters(saved))
+
+    def _check_plain(self, state_dict: dict[str, Any]) -> dict[Any, dict[str, Any]]:
+        """A whole torch.optim state dict: its groups, then each param's state against the param;
+        returns the per-param states to load (:func:`~fxzero.optim.state.state_check.check_states`)."""
+        saved = state_dict["param_groups"]
+        check_groups(saved, self.param_groups, [len(slots) for slots in self.param_table.group_slots])
+        if not isinstance(state_dict["state"], dict):
+            raise ValueError(f"load_state_dict: 'state' must be a dict keyed by param index, got {type(state_dict['state']).__name__}")
+        order = [index for group in saved for index in group["params"]]
+        table = self.param_table
+        targets = {
+            index: Target(f"param {table.label(slot)!r}", table.params[slot].shape, table.params[slot].dtype,
+                          table.params[slot].device, table.rows[slot].group)  # fmt: skip
+            for slot, index in enumerate(order)
+        }
+        return check_states(state_dict["state"], targets, self.probe, self.param_groups, saved, own_keys=(MASTER_KEY,))
+
+    def _check_rank_state(self, state_dict: dict[str, Any]) -> dict[Any, dict[str, Any]]:
+        """One rank's shard (fxzero's format): the wrapped optimizer's state against this rank's
+        fragments, and the separate fp32 main shards against theirs; returns the states to load."""
+        local = state_dict.get("local")
+        if not isinstance(local, dict) or not isinstance(local.get("state"), dict):
+            raise ValueError("load_state_dict: the state dict's 'local' entry is not an optimizer state dict")
+        check_groups(local.get("param_groups"), self.param_groups)
+        position = {id(p): n for n, p in enumerate(p for group in self.local.param_groups for p in group["params"])}
+        table = self.param_table
+        targets = {
+            position[id(f.param)]: Target(f"param {table.label(f.slot)!r} (this rank's fragment)", f.param.shape, f.param.dtype,
+                                          f.param.device, table.rows[f.slot].group)  # fmt: skip
+            for f in self.fragments
+        }
+        states = check_states(local["state"], targets, self.probe, self.param_groups, local["param_groups"])
+        for index, entry in local["state"].items():
+            remainder = entry.get(REMAINDER_KEY) if isinstance(entry, dict) else None
+            target = targets.get(index)
+            if remainder is None or target is None:
+                continue
+            if not isinstance(remainder, torch.Tensor) or remainder.numel() != target.shape.numel():
+                raise ValueError(f"load_state_dict: {target.label}: state {REMAINDER_KEY!r} does not have the fragment's {target.shape.numel()} elements")
+            states[index] = states[index] | {REMAINDER_KEY: remainder}
+        separate = [s.main for s in self.shards if not s.main_is_param]
+        given = state_dict.get("main_shards")
+        if not isinstance(given, list) or len(given) != len(separate):
+            raise ValueError(f"load_state_dict: the state dict holds {len(given) if isinstance(given, list) else 'no'} fp32 main shards, this rank keeps {len(separate)}")
+        for n, (main, saved) in enumerate(zip(separate, given)):
+            if not isinstance(saved, torch.Tensor) or saved.shape != main.shape:
+                shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+                raise ValueError(f"load_state_dict: fp32 main shard {n} is {shape}, this rank's is {tuple(main.shape)}")
+        return states
 
     def consolidated_state_dict(self) -> dict[str, Any]:
         """The whole optimizer state in plain ``torch.optim`` format, on every rank

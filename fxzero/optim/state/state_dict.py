@@ -16,6 +16,7 @@ from ..layout.shards import FragmentTensor
 __all__ = [
     "MASTER_KEY",
     "NOT_HYPERPARAMETERS",
+    "REMAINDER_KEY",
     "STATE_FORMAT",
     "check_state_dict",
     "copy_hyperparameters",
@@ -66,6 +67,10 @@ def layout_key(buffers: Sequence[ParamAndGradBuffer]) -> list[tuple[str, int, li
     bounds and, under whole-param ownership, each param's owner."""
     return [(str(b.param_dtype), b.plan.numel, [(s.start, s.end) for s in b.plan.buckets], b.plan.owners) for b in buffers]
 
+
+REMAINDER_KEY = "param_remainder"
+"""A fragment's int16 remainders in fxzero's per-rank format under ``Config.param_remainders``
+(:class:`~fxzero.optim.update.shard_adam.ShardAdamW`): the low bits of its fp32 master."""
 
 NOT_HYPERPARAMETERS = frozenset(("params", "param_names"))
 """Param-group keys that are not hyperparameters (the wrapped optimizer's groups hold their own)."""

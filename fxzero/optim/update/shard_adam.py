@@ -37,6 +37,7 @@ import torch
 
 from ..layout.shards import FragmentTensor
 from ..params import bf16_rounding
+from ..state.state_dict import REMAINDER_KEY
 from .flat_update import Place, Run, plan_runs
 from .moment_store import MomentStore, make_store
 
@@ -210,7 +211,7 @@ class ShardAdamW(torch.optim.Optimizer):
             if entry:
                 entry = {k: v.clone() for k, v in entry.items()}
                 if (remainder := self._remainder_of(i)) is not None:
-                    entry["param_remainder"] = remainder
+                    entry[REMAINDER_KEY] = remainder
                 state[index_of[i]] = entry
         groups, start = [], 0
         for group in self.param_groups:
@@ -227,7 +228,7 @@ class ShardAdamW(torch.optim.Optimizer):
         index_of = self._index_of()
         states = [dict(state_dict["state"].get(index_of[i], {})) for i in range(len(self.fragments))]
         for i, state in enumerate(states):
-            remainder = state.pop("param_remainder", None)
+            remainder = state.pop(REMAINDER_KEY, None)
             rs, k = self._locate(i)
             if remainder is not None and rs.remainder is not None:
                 rs.remainder[rs.spans[k]].copy_(remainder.reshape(-1))
