@@ -251,3 +251,19 @@ def test_changed_layout_restores_nothing(tmp_path: Path) -> None:
     state, why = read_states(path, manifest, opt.dp, True)
     assert state is None
     assert why == "not restored: saved at world size 1 (data-parallel size 1 in 2 instances), loaded at world size 1 (data-parallel size 1)"
+
+
+@pytest.mark.cuda
+def test_each_cuda_devices_generator_is_saved_and_restored(tmp_path: Path) -> None:
+    """Where CUDA is initialized, every device's generator is saved with the others and restored:
+    dropout on the GPU draws after the load what it drew after the save."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.5)).cuda()
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, module=model)
+    x = torch.ones(4, 8, device="cuda")
+    path = fxzero.save_checkpoint(tmp_path, model, opt, step=0)
+    after_save = model(x).detach()
+    assert len(torch.load(path / "rng_state_0.pt", weights_only=True)["cuda"]) == torch.cuda.device_count()
+    model(x)
+    assert fxzero.load_checkpoint(path, model, opt)["rng"] == "restored"
+    assert torch.equal(model(x).detach(), after_save)

@@ -28,7 +28,10 @@ from .. import rng
 from ..optim.communication.comm import DataParallelGroup
 from .state import MANIFEST, CheckpointError
 
-__all__ = ["RESTORED", "capture_states", "is_generator_file", "manifest_entry", "manifest_problems", "read_states"]
+__all__ = [
+    "RESTORED", "capture_states", "is_generator_file", "layout", "manifest_entry", "manifest_problems", "read_states", "report",
+    "serialized",
+]  # fmt: skip
 
 RESTORED = "restored"
 """``load_checkpoint(...)["rng"]`` when this rank's generators were restored; otherwise a sentence saying why not."""
@@ -115,14 +118,15 @@ def read_states(path: Path, manifest: dict[str, Any], dp: DataParallelGroup, wan
 
 
 def report(path: Path, outcome: str) -> None:
-    """Warn once (global rank 0) when saved generators were not restored at another layout;
-    an info line when there were none to restore."""
+    """Warn once (global rank 0) when saved generators were not restored at another layout (or
+    CUDA device count); an info line when there were none to restore, or the caller opted out."""
+    mismatch = outcome.startswith("not restored: saved ")
     if outcome == RESTORED:
         log.info("restored this rank's generator states from %s", path)
-    elif "saved at" in outcome and global_rank() == 0:
+    elif mismatch and global_rank() == 0:
         log.warning("checkpoint %s: the generators were %s (each rank's states fit its own rank only; "
                     "dropout masks after the resume differ from the uninterrupted run's)", path, outcome)  # fmt: skip
-    elif "saved at" not in outcome:
+    elif not mismatch:
         log.info("checkpoint %s: the generators were %s", path, outcome)
 
 
