@@ -113,6 +113,8 @@ class FxzeroStrategy(DDPStrategy):
         return checkpoint
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """The last of the training state Lightning restores, after its set-up and before the
+        training loop makes its data iterator (which draws): where the generators are set."""
         super().load_optimizer_state_dict(checkpoint)
         if self._rng_to_restore is not None:
             rng.restore(self._rng_to_restore)
@@ -134,4 +136,7 @@ class FxzeroStrategy(DDPStrategy):
                 f"fxzero.lightning.FxzeroStrategy: checkpoint {path} holds invalid generator states for rank "
                 f"{self.global_rank}: {'; '.join(problems)}. Resume from another checkpoint."
             )
+        if why := rng.device_mismatch(state):
+            log.warning("checkpoint %s: generators not restored: %s", path, why)
+            return None
         return state

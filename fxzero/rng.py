@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["capture", "cuda_devices", "problems", "restore"]
+__all__ = ["capture", "device_mismatch", "problems", "restore"]
 
 _PARTS = ("python", "numpy", "cpu", "cuda")
 
@@ -69,9 +69,11 @@ def restore(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def cuda_devices(state: dict[str, Any]) -> int:
-    """How many CUDA devices' states ``state`` holds (0: CUDA was not initialized)."""
-    return len(state.get("cuda", ()))
+def device_mismatch(state: dict[str, Any]) -> str:
+    """Why ``state`` cannot be restored in this process although it is valid (its CUDA states are
+    for another number of devices), or ``""``."""
+    saved, here = len(state.get("cuda", ())), torch.cuda.device_count()
+    return f"saved with {saved} CUDA device(s), this process sees {here}" if saved and saved != here else ""
 
 
 def _numpy() -> Any:

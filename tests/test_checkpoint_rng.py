@@ -267,3 +267,14 @@ def test_each_cuda_devices_generator_is_saved_and_restored(tmp_path: Path) -> No
     model(x)
     assert fxzero.load_checkpoint(path, model, opt)["rng"] == "restored"
     assert torch.equal(model(x).detach(), after_save)
+
+
+def test_cuda_states_for_another_number_of_devices_restore_nothing(tmp_path: Path) -> None:
+    """A rank saved with CUDA states, loaded where another number of devices is visible (here none)."""
+    model, opt = _make("mlp", 2000)
+    path = fxzero.save_checkpoint(tmp_path, model, opt, step=1)
+    _rewrite(path, "rng_state_0.pt", _saved_state(cuda=[torch.zeros(16, dtype=torch.uint8)]))
+    before = torch.get_rng_state()
+    info = fxzero.load_checkpoint(path, model, opt)
+    assert info["rng"] == f"not restored: saved with 1 CUDA device(s), this process sees {torch.cuda.device_count()}"
+    assert torch.cuda.is_available() or torch.equal(torch.get_rng_state(), before)

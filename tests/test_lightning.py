@@ -100,6 +100,9 @@ def test_the_strategy_checks_saved_generator_states_and_keeps_them_to_their_worl
     assert "checkpoint a.ckpt holds no generator states (not saved by FxzeroStrategy): generators not restored" in caplog.text
     assert "checkpoint b.ckpt: generators not restored: saved at world size 2, resumed at 1" in caplog.text
     assert strategy._saved_rng_state({RNG_KEY: {"world_size": 1, "states": [state]}}, "c.ckpt") is state
+    if not torch.cuda.is_available():  # CUDA states of a GPU run, resumed on a CPU machine
+        assert strategy._saved_rng_state({RNG_KEY: {"world_size": 1, "states": [{**state, "cuda": [torch.zeros(16, dtype=torch.uint8)]}]}}, "e.ckpt") is None
+        assert "checkpoint e.ckpt: generators not restored: saved with 1 CUDA device(s), this process sees 0" in caplog.text
     damaged = {**state, "cpu": torch.zeros(3, dtype=torch.uint8)}
     with pytest.raises(ValueError, match=r"checkpoint d\.ckpt holds invalid generator states for rank 0: its cpu generator state is invalid"):
         strategy._saved_rng_state({RNG_KEY: {"world_size": 1, "states": [damaged]}}, "d.ckpt")

@@ -112,8 +112,8 @@ def read_states(path: Path, manifest: dict[str, Any], dp: DataParallelGroup, wan
     state = _load(path / name, name)
     if found := rng.problems(state):
         raise CheckpointError(f"checkpoint {path} is damaged: {name} (generator states of rank {global_rank()}): " + "; ".join(found))
-    if (devices := rng.cuda_devices(state)) and devices != torch.cuda.device_count():
-        return None, f"not restored: saved with {devices} CUDA device(s), this process sees {torch.cuda.device_count()}"
+    if why := rng.device_mismatch(state):
+        return None, f"not restored: {why}"
     return state, RESTORED
 
 
