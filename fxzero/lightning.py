@@ -17,7 +17,15 @@ what DDP's wrapper did for the loop, fxzero's optimizer does:
   for sharded optimizers calls :meth:`~fxzero.DistributedOptimizer.consolidate_state_dict` on
   every rank, then ``state_dict()`` on rank 0 only, which returns the whole state, never one
   rank's shard. Resuming loads it on every rank
-  (``load_state_dict`` of a whole plain state: each rank takes its shard).
+  (``load_state_dict`` of a whole plain state: each rank takes its shard);
+* generators: Lightning's checkpoint holds none, so a resumed fit with dropout would draw other
+  masks than the uninterrupted run. :meth:`FxzeroStrategy.save_checkpoint` (called on every rank)
+  gathers each rank's generator states (:mod:`fxzero.rng`) into the checkpoint under
+  ``"fxzero_rng_states"``; ``fit(ckpt_path=...)`` checks them when it loads the checkpoint and
+  sets them with the optimizer state, the last of the training state Lightning restores: after
+  its set-up (``configure_optimizers`` may draw), before the training loop creates its data
+  iterator (which draws its base seed) and the sanity check (which Lightning runs with the
+  generators isolated). At the same world size only.
 
 Importing :mod:`fxzero` does not import this module, nor Lightning.
 """
@@ -25,14 +33,22 @@ Importing :mod:`fxzero` does not import this module, nor Lightning.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
+import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 
+from . import rng
 from .distributed_optimizer import DistributedOptimizer, find_distributed_optimizer
 
 __all__ = ["FxzeroStrategy"]
+
+RNG_KEY = "fxzero_rng_states"
+"""Where each rank's generator states go in Lightning's checkpoint: ``{"world_size", "states"}``."""
+
+log = logging.getLogger(__name__)
 
 
 class FxzeroStrategy(DDPStrategy):
@@ -41,6 +57,7 @@ class FxzeroStrategy(DDPStrategy):
     ``timeout``, ``start_method``...); DDP's own (``find_unused_parameters``, comm hooks) do not apply."""
 
     strategy_name = "fxzero"
+    _rng_to_restore: Optional[dict[str, Any]] = None
 
     def configure_ddp(self) -> None:
         """Leave the LightningModule unwrapped: no DDP reducer, no second all-reduce."""
@@ -77,3 +94,49 @@ class FxzeroStrategy(DDPStrategy):
             for opt in self._fxzero_optimizers():
                 stack.enter_context(opt.no_sync())
             yield
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
+        """Lightning calls it on every rank and rank 0 writes: each rank's generator states are
+        gathered onto rank 0 first, so the checkpoint resumes every rank's dropout masks."""
+        states: Optional[list[Any]] = [None] * self.world_size if self.is_global_zero else None
+        if self.world_size > 1:
+            dist.gather_object(rng.capture(), states, dst=0)
+        elif states is not None:
+            states[0] = rng.capture()
+        super().save_checkpoint({**checkpoint, RNG_KEY: {"world_size": self.world_size, "states": states}}, filepath, storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Check this rank's saved generator states now, before anything is restored; they are
+        set in :meth:`load_optimizer_state_dict`, so nothing Lightning draws while setting up moves them."""
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        self._rng_to_restore = self._saved_rng_state(checkpoint, checkpoint_path)
+        return checkpoint
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        """The last of the training state Lightning restores, after its set-up and before the
+        training loop makes its data iterator (which draws): where the generators are set."""
+        super().load_optimizer_state_dict(checkpoint)
+        if self._rng_to_restore is not None:
+            rng.restore(self._rng_to_restore)
+            self._rng_to_restore = None
+
+    def _saved_rng_state(self, checkpoint: dict[str, Any], path: Any) -> Optional[dict[str, Any]]:
+        saved = checkpoint.get(RNG_KEY)
+        if saved is None:
+            log.info("checkpoint %s holds no generator states (not saved by FxzeroStrategy): generators not restored", path)
+            return None
+        if saved["world_size"] != self.world_size:
+            if self.is_global_zero:
+                log.warning("checkpoint %s: generators not restored: saved at world size %d, resumed at %d (each rank's "
+                            "states fit its own rank only)", path, saved["world_size"], self.world_size)  # fmt: skip
+            return None
+        state = saved["states"][self.global_rank]
+        if problems := rng.problems(state):
+            raise ValueError(
+                f"fxzero.lightning.FxzeroStrategy: checkpoint {path} holds invalid generator states for rank "
+                f"{self.global_rank}: {'; '.join(problems)}. Resume from another checkpoint."
+            )
+        if why := rng.device_mismatch(state):
+            log.warning("checkpoint %s: generators not restored: %s", path, why)
+            return None
+        return state

@@ -4,10 +4,13 @@ fxzero.DistributedOptimizer, the model compiled with Inductor (its dropout on, a
 each rank saves what each run gave to ``<out>.<rank>.pt``.
 
 Dropout masks are drawn per micro-batch from a seed made of the epoch, the batch and the rank, so a
-run resumed from a checkpoint draws the masks the uninterrupted run drew."""
+run resumed from a checkpoint draws the masks the uninterrupted run drew; the ``*_unseeded`` runs seed
+each rank once, before the fit, so a resume draws the uninterrupted run's masks only if the checkpoint
+brought back each rank's generators (FxzeroStrategy carries them)."""
 
 from __future__ import annotations
 
+import os
 import sys
 import warnings
 from pathlib import Path
@@ -34,16 +37,17 @@ warnings.filterwarnings("ignore", ".*does not have many workers.*")
 class Classifier(L.LightningModule):
     """An MLP with nn.Dropout() (p=0.5); ``fxzero`` picks the optimizer and the compile backend."""
 
-    def __init__(self, use_fxzero: bool, extra: bool = False) -> None:
+    def __init__(self, use_fxzero: bool, extra: bool = False, reseed: bool = True) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Dropout(), nn.Linear(32, 4))
         self.net.compile(backend="fxzero" if use_fxzero else "inductor")
         self.left_out = nn.Linear(2, 2) if extra else None  # a param no optimizer manages
-        self.use_fxzero, self.losses = use_fxzero, []
+        self.use_fxzero, self.reseed, self.losses = use_fxzero, reseed, []
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        torch.manual_seed(1000 * self.current_epoch + 10 * batch_idx + self.global_rank)  # the dropout masks
+        if self.reseed:
+            torch.manual_seed(1000 * self.current_epoch + 10 * batch_idx + self.global_rank)  # the dropout masks
         x, y = batch
         loss = F.cross_entropy(self.net(x), y)
         self.losses.append(loss.detach().clone())
@@ -69,9 +73,14 @@ def _trainer(strategy: Any, epochs: int, accumulate: int = 1, callbacks: Any = (
     )  # fmt: skip
 
 
-def fit(use_fxzero: bool, epochs: int = EPOCHS, accumulate: int = 1, ckpt_dir: str = "", resume: str = "") -> dict[str, Any]:
-    """Losses of every micro-batch this rank ran, and the params after the fit."""
-    model = Classifier(use_fxzero)
+def fit(
+    use_fxzero: bool, epochs: int = EPOCHS, accumulate: int = 1, ckpt_dir: str = "", resume: str = "", reseed: bool = True
+) -> dict[str, Any]:
+    """Losses of every micro-batch this rank ran, and the params after the fit. ``reseed=False``:
+    each rank's generator is seeded once, here (a resume must restore it from the checkpoint)."""
+    model = Classifier(use_fxzero, reseed=reseed)
+    if not reseed:
+        torch.manual_seed(100 + int(os.environ["RANK"]) + (7 if resume else 0))  # a resume starts from other states
     callbacks = [L.callbacks.ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, every_n_epochs=1)] if ckpt_dir else []
     trainer = _trainer(FxzeroStrategy() if use_fxzero else "ddp", epochs, accumulate, callbacks)
     trainer.fit(model, ckpt_path=resume or None)
@@ -97,6 +106,9 @@ def main() -> None:
     results["checkpoints"] = [p.name for p in sorted(Path(ckpt_dir).glob("*.ckpt"))]
     results["saved"] = torch.load(first[0], weights_only=False) if first and dist.get_rank() == 0 else None
     results["resumed"] = fit(True, resume=str(first[0])) if first else None
+    unseeded = Path(ckpt_dir) / "unseeded"
+    results["fxzero_unseeded"] = fit(True, ckpt_dir=str(unseeded), reseed=False)
+    results["resumed_unseeded"] = fit(True, resume=str(next(unseeded.glob("epoch=0-*.ckpt"))), reseed=False)
     results["reference_accumulate"] = fit(False, epochs=1, accumulate=2)
     results["fxzero_accumulate"] = fit(True, epochs=1, accumulate=2)
     results["ddp_strategy"] = refused("ddp", extra=False)

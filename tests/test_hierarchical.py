@@ -52,9 +52,10 @@ def _train(kind: str, inner: Optional[str] = None, ckpt: Optional[str] = None, r
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, process_group=_group(kind), module=model, config=config)
     run = model if inner is None else torch.compile(model, backend="fxzero", options={"inner_compiler": inner})
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
-    first = 1
+    first, generators = 1, None
     if resume:
-        first = fxzero.load_checkpoint(fxzero.latest_checkpoint(ckpt), model, opt)["step"] + 1
+        info = fxzero.load_checkpoint(fxzero.latest_checkpoint(ckpt), model, opt)
+        first, generators = info["step"] + 1, info["rng"]
     steps = []
     for step in range(1, STEPS + 1):
         tokens = _tokens(step)
@@ -76,7 +77,7 @@ def _train(kind: str, inner: Optional[str] = None, ckpt: Optional[str] = None, r
     refs = dict(ref.named_parameters())
     diff = max(float((p.detach() - refs[n]).abs().max()) for n, p in model.named_parameters())
     return dict(steps=steps, diff=diff, state=opt.state_bytes, collectives=opt.collectives_per_step,
-                params=[p.detach().clone() for p in model.parameters()])  # fmt: skip
+                params=[p.detach().clone() for p in model.parameters()], generators=generators)  # fmt: skip
 
 
 def _assert_parity(runs: list[dict[str, Any]]) -> None:
@@ -133,9 +134,12 @@ def _checkpoint_round(kind: str, ckpt: str, resume: bool) -> dict[str, Any]:
 def test_a_hierarchical_checkpoint_resumes_flat_at_world_4_and_2(tmp_path: Path) -> None:
     """Saved at 2 x 2 after step 2 (instance 0 writes, the other instance waits for it): resumed
     at flat world 4, at flat world 2 and at 2 x 2 (each instance loads it over its own shard
-    group), steps 3..4 match the uninterrupted 2 x 2 run (loss 1e-5) and one process."""
+    group), steps 3..4 match the uninterrupted 2 x 2 run (loss 1e-5) and one process. Every rank's
+    generator states are saved (instance 0's ranks write their counterparts' too) and restored at
+    2 x 2 only."""
     ckpt = str(tmp_path)
     saved = run_ranks(4, _checkpoint_round, "hier", ckpt, False, timeout=300)
+    assert sorted(p.name for p in fxzero.latest_checkpoint(ckpt).glob("rng_state_*")) == [f"rng_state_{r}.pt" for r in range(4)]
     flat4 = run_ranks(4, _checkpoint_round, "flat", ckpt, True, timeout=300)
     flat2 = run_ranks(2, _checkpoint_round, "flat", ckpt, True, timeout=300)
     hier = run_ranks(4, _checkpoint_round, "hier", ckpt, True, timeout=300)
@@ -144,6 +148,10 @@ def test_a_hierarchical_checkpoint_resumes_flat_at_world_4_and_2(tmp_path: Path)
         got = [s["loss"] for s in runs[0]["steps"]]
         assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, want)) <= 1e-5, (got, want)
         _assert_parity(runs)
+    saved_at = "saved at world size 4 (data-parallel size 2 in 2 instances)"
+    assert {r["generators"] for r in hier} == {"restored"}
+    assert {r["generators"] for r in flat4} == {f"not restored: {saved_at}, loaded at world size 4 (data-parallel size 4)"}
+    assert {r["generators"] for r in flat2} == {f"not restored: {saved_at}, loaded at world size 2 (data-parallel size 2)"}
 
 
 def _explain_hier() -> str:

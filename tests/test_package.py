@@ -106,7 +106,7 @@ def test_cycle_finder_sees_a_cycle() -> None:
 
 
 LAYERS = (
-    ("_torch_compat", "config", "version", "help_text"),
+    ("_torch_compat", "config", "version", "help_text", "rng"),
     ("optim.communication",),  # the runtime's parts, by phase: the process group and the ranks' meeting
     ("optim.layout",),  # where params lie: plans, param table, buffers, shard views
     ("optim.state", "optim.params"),  # the wrapped optimizer's state; params after the step (the gather protocol)
@@ -308,8 +308,9 @@ class Hooked(Sync):
 
 
 def test_the_version_is_one_and_the_console_script_prints_it() -> None:
-    """``fxzero.__version__``, pyproject.toml's version, the changelog's newest entry and
-    ``fxzero --version`` (the console script the README's install puts on PATH) agree."""
+    """``fxzero.__version__``, pyproject.toml's version, the changelog's newest release (below an
+    ``Unreleased`` section, if any) and ``fxzero --version`` (the console script the README's
+    install puts on PATH) agree."""
     import shutil
     import subprocess
 
@@ -321,7 +322,9 @@ def test_the_version_is_one_and_the_console_script_prints_it() -> None:
     root = Path(__file__).resolve().parents[1]
     version = tomllib.loads((root / "pyproject.toml").read_text())["project"]["version"]
     assert fxzero.__version__ == version
-    assert (root / "CHANGELOG.md").read_text().split("\n## ")[1].startswith(f"{version} ")
+    sections = (root / "CHANGELOG.md").read_text().split("\n## ")[1:]
+    released = sections[1:] if sections[0].startswith("Unreleased\n") else sections  # changes not yet in a release
+    assert released[0].startswith(f"{version} ")
     script = shutil.which("fxzero")
     assert script is not None, "pip install -e . puts the fxzero console script on PATH"
     run = subprocess.run([script, "--version"], capture_output=True, text=True, timeout=120, check=True)

@@ -30,7 +30,6 @@ problem raises :class:`CheckpointError` naming what differs, on every rank alike
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -59,16 +58,16 @@ from .state import (
     save_state,
     slot_names,
 )
+from .. import rng as generators_of_this_process
 from ..distributed_optimizer import DistributedOptimizer
 from ..optim.communication.comm import DataParallelGroup
+from . import generators
+from .manifest import FORMAT, read_manifest, sha256, verify_files
 from .ranks import CheckpointRanks
 
 __all__ = ["CheckpointError", "latest_checkpoint", "load_checkpoint", "save_checkpoint"]
 
-FORMAT = "fxzero.checkpoint/1"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-_MANIFEST_KEYS = {"step", "extra", "optimizer_class", "saved_world_size", "param_groups", "state", "files"}
-_FILE_KEYS = {"bytes", "sha256"}
 
 log = logging.getLogger(__name__)
 
@@ -88,11 +87,14 @@ def save_checkpoint(
     step: int,
     extra: Optional[dict[str, Any]] = None,
     arrival_timeout: Optional[float] = ARRIVAL_TIMEOUT,
+    rng: bool = True,
 ) -> Path:
     """Save ``model`` and ``optimizer`` as ``ckpt_dir/step_XXXXXXX`` (called on every rank).
 
     ``extra`` is JSON-serializable user data (say, the data loader's position), returned by
-    :func:`load_checkpoint`. Returns the checkpoint's path once it is committed. Every rank
+    :func:`load_checkpoint`. ``rng``: also save each rank's generator states (Python,
+    NumPy, torch CPU and CUDA: :mod:`.generators`), which :func:`load_checkpoint` restores
+    at the same rank layout, so dropout continues bitwise. Returns the checkpoint's path once it is committed. Every rank
     must call it within ``arrival_timeout`` seconds of the others (``None``: the process
     group's timeout, with a warning naming the late ranks after 30 s), with the same ``step``.
     A failure on any rank (disk full, a path that is a file) raises :class:`CheckpointError`
@@ -100,9 +102,10 @@ def save_checkpoint(
     """
     _check_args(optimizer, step, extra, arrival_timeout)
     dp = optimizer.dp
+    states = generators.capture_states(dp) if rng else {}  # first: nothing below may draw before it
     if dp.replica_count > 1:
-        return _save_from_instance_0(dp, lambda: _save(ckpt_dir, model, optimizer, step, extra, arrival_timeout))
-    return _save(ckpt_dir, model, optimizer, step, extra, arrival_timeout)
+        return _save_from_instance_0(dp, lambda: _save(ckpt_dir, model, optimizer, step, extra, arrival_timeout, states))
+    return _save(ckpt_dir, model, optimizer, step, extra, arrival_timeout, states)
 
 
 def _save_from_instance_0(dp: DataParallelGroup, save: Any) -> Path:
@@ -125,7 +128,7 @@ def _save_from_instance_0(dp: DataParallelGroup, save: Any) -> Path:
 
 def _save(
     ckpt_dir: PathLike, model: torch.nn.Module, optimizer: DistributedOptimizer, step: int,
-    extra: Optional[dict[str, Any]], arrival_timeout: Optional[float],
+    extra: Optional[dict[str, Any]], arrival_timeout: Optional[float], states: dict[int, dict[str, Any]],
 ) -> Path:  # fmt: skip
     ranks = _ranks(optimizer)
     ranks.handshake(f"save_checkpoint(step={step})", arrival_timeout, optimizer.param_table.params[0].device)
@@ -139,11 +142,12 @@ def _save(
         "saved_world_size": optimizer.dp.size,
         "param_groups": groups,
         "state": _merge(ranks.all_gather(spec)),
+        "rng": generators.manifest_entry(optimizer.dp) if states else None,
     }
     final = Path(ckpt_dir) / f"step_{step:07d}"
     tmp = Path(ranks.broadcast(f"{final}.tmp-{uuid.uuid4().hex[:12]}"))
     try:
-        _write(tmp, final, state, manifest, ranks)
+        _write(tmp, final, state, manifest, ranks, generators.serialized(states))
     except CheckpointError as err:
         shutil.rmtree(tmp, ignore_errors=True)  # on every rank: one may not see the others' disk
         raise CheckpointError(f"saving checkpoint {final} failed (nothing committed; {tmp.name} removed): {err}") from err
@@ -157,10 +161,13 @@ def load_checkpoint(
     optimizer: DistributedOptimizer,
     *,
     arrival_timeout: Optional[float] = ARRIVAL_TIMEOUT,
+    rng: bool = True,
 ) -> dict[str, Any]:
     """Load a checkpoint saved at any world size into ``model`` and ``optimizer`` (called
     on every rank, within ``arrival_timeout`` seconds of each other, with the same
-    checkpoint). Returns ``{"step", "extra", "path"}``. On any mismatch or damage it
+    checkpoint). Returns ``{"step", "extra", "path", "rng"}``; ``rng`` is ``"restored"``
+    when this rank's generators were set to its saved states (``rng=True``, the default,
+    and the rank layout they were saved with), else a sentence saying why not. On any mismatch or damage it
     raises :class:`CheckpointError` and leaves the model and optimizer as they were;
     ``path=None`` (what :func:`latest_checkpoint` returns when there is no checkpoint)
     raises it too, saying there is nothing to load."""
@@ -174,18 +181,24 @@ def load_checkpoint(
             "returns None when ckpt_dir holds no committed checkpoint: test for None and start from scratch"
         )
     path = Path(path)
-    manifest = ranks.together(f"reading {path / MANIFEST}", lambda: _read_manifest(path))
-    _verify_files(path, manifest["files"], ranks)
+    manifest = ranks.together(f"reading {path / MANIFEST}", lambda: read_manifest(path))
+    verify_files(path, manifest["files"], ranks)
     metadata = ranks.together(f"checkpoint {path}: reading DCP's metadata", dcp.FileSystemReader(path).read_metadata)
     optimizer.finish_param_sync()
     names = slot_names(model, optimizer)
     ranks.together(f"checkpoint {path}", lambda: check_compatible(manifest, metadata, model, optimizer, names))
+    saved_rng, outcome = ranks.together(
+        f"checkpoint {path}: reading the generator states", lambda: generators.read_states(path, manifest, optimizer.dp, rng)
+    )
     targets = load_targets(model, optimizer, names, manifest["state"], metadata)
     ranks.together(f"checkpoint {path}: reading the data", lambda: _dcp_load(path, targets, ranks))
     apply_loaded(targets, model, optimizer, names, manifest["state"])
     apply_hyperparameters(optimizer, manifest["param_groups"])
+    if saved_rng is not None:
+        generators_of_this_process.restore(saved_rng)
+    generators.report(path, outcome)
     log.info("loaded checkpoint %s (step %d, saved at data-parallel size %d)", path, manifest["step"], manifest["saved_world_size"])
-    return {"step": manifest["step"], "extra": manifest["extra"], "path": path}
+    return {"step": manifest["step"], "extra": manifest["extra"], "path": path, "rng": outcome}
 
 
 def latest_checkpoint(ckpt_dir: PathLike) -> Optional[Path]:
@@ -211,15 +224,22 @@ def _collect(model: torch.nn.Module, optimizer: DistributedOptimizer) -> tuple[l
     return names, state, spec, group_records(optimizer, names)
 
 
-def _write(tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any], ranks: CheckpointRanks) -> None:
-    """Every rank writes its data into ``tmp``, hashes its share of the files; rank 0
-    commits. Each step is agreed on, so a failure anywhere raises on every rank."""
+def _write(
+    tmp: Path, final: Path, state: dict[str, Any], manifest: dict[str, Any], ranks: CheckpointRanks, files: dict[str, bytes]
+) -> None:
+    """Every rank writes its data and ``files`` (its generator states) into ``tmp``, hashes
+    its share of the files; rank 0 commits. Each step is agreed on, so a failure anywhere
+    raises on every rank."""
 
     def save() -> None:
         with _quiet_at_world_one():
             dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ChunkSavePlanner(), **ranks.dcp_kwargs())
+        for name, data in files.items():
+            _write_durably(tmp / name, data)
 
     ranks.together("writing the data", save)
+    if manifest["rng"] is not None:  # the files written, whichever ranks wrote them
+        manifest["rng"]["files"] = sorted(name for names in ranks.all_gather(sorted(files)) for name in names)
     files = ranks.together("hashing the files", lambda: _describe_files(_my_share(tmp, ranks)))
     manifest["files"] = _merge(ranks.all_gather(files))
     ranks.together(f"renaming it to {final.name}", lambda: _commit(tmp, final, manifest) if ranks.dp.rank == 0 else None)
@@ -299,16 +319,8 @@ def _my_share(directory: Path, ranks: CheckpointRanks) -> list[Path]:
     return files[ranks.dp.rank :: ranks.dp.size]
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 22):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _describe_files(files: Sequence[Path]) -> dict[str, dict[str, Any]]:
-    return {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files}
+    return {p.name: {"bytes": p.stat().st_size, "sha256": sha256(p)} for p in files}
 
 
 def _commit(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
@@ -337,61 +349,3 @@ def _fsync(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _read_manifest(path: Path) -> dict[str, Any]:
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
-        raise CheckpointError(_not_a_checkpoint(path))
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except (OSError, ValueError) as err:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is unreadable: {err}") from err
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is not a {FORMAT} manifest")
-    if missing := sorted(_MANIFEST_KEYS - set(manifest)):
-        raise CheckpointError(f"checkpoint {path}: {MANIFEST} lacks {missing}")
-    files = manifest["files"]
-    if not isinstance(files, dict) or not files:  # nothing to check would pass every check
-        raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} lists no files (a save lists all it wrote)")
-    if bad := sorted(name for name, entry in files.items() if not (isinstance(entry, dict) and _FILE_KEYS <= set(entry))):
-        raise CheckpointError(f"checkpoint {path} is damaged: {MANIFEST} has no size and SHA-256 for {bad}")
-    return manifest
-
-
-def _not_a_checkpoint(path: Path) -> str:
-    if not path.exists():
-        return f"checkpoint {path} does not exist"
-    if any(path.glob("step_*")):
-        return f"{path} is not a committed fxzero checkpoint: no {MANIFEST} (it is a directory of checkpoints: use fxzero.latest_checkpoint)"
-    return f"{path} is not a committed fxzero checkpoint: no {MANIFEST}, and it holds no checkpoint either"
-
-
-def _verify_files(path: Path, expected: dict[str, dict[str, Any]], ranks: CheckpointRanks) -> None:
-    """Every file the manifest lists must be there with its size and SHA-256 (DCP itself
-    would load a flipped byte silently), and every DCP file there must be listed. Every
-    rank learns every problem, so all raise."""
-    problems = _unlisted(path, expected) if ranks.dp.rank == 0 else []
-    for name in sorted(expected)[ranks.dp.rank :: ranks.dp.size]:
-        try:
-            problems += _file_problem(path / name, name, expected[name])
-        except OSError as err:
-            problems.append(f"{name} cannot be read: {err}")
-    problems = [p for part in ranks.all_gather(problems) for p in part]
-    if problems:
-        raise CheckpointError(f"checkpoint {path} is damaged: " + "; ".join(sorted(problems)))
-
-
-def _unlisted(path: Path, expected: dict[str, Any]) -> list[str]:
-    dcp_files = sorted(p.name for p in path.iterdir() if p.name == ".metadata" or p.suffix == ".distcp")
-    return [f"{name} is not in {MANIFEST}'s file list" for name in dcp_files if name not in expected]
-
-
-def _file_problem(file: Path, name: str, want: dict[str, Any]) -> list[str]:
-    if not file.is_file():
-        return [f"{name} is missing"]
-    if (size := file.stat().st_size) != want["bytes"]:
-        return [f"{name} has {size:,} bytes, the manifest says {want['bytes']:,} (truncated?)"]
-    if _sha256(file) != want["sha256"]:
-        return [f"{name} does not match its SHA-256 in the manifest (corrupted)"]
-    return []
