@@ -4,7 +4,8 @@
     info = fxzero.load_checkpoint(fxzero.latest_checkpoint("ckpt"), model, opt)   # any world size
 
 Each rank writes only the state it owns, through ``torch.distributed.checkpoint`` (DCP),
-in a world-size-independent format (:mod:`fxzero.checkpoint.state`); loading on
+in a world-size-independent format (:mod:`fxzero.checkpoint.state`), and its generator
+states in a file of its own (:mod:`fxzero.checkpoint.generators`); loading on
 another number of ranks, or with another bucket size, reads each rank's new fragments out
 of whatever pieces were saved.
 
@@ -94,8 +95,8 @@ def save_checkpoint(
     ``extra`` is JSON-serializable user data (say, the data loader's position), returned by
     :func:`load_checkpoint`. ``rng``: also save each rank's generator states (Python,
     NumPy, torch CPU and CUDA: :mod:`.generators`), which :func:`load_checkpoint` restores
-    at the same rank layout, so dropout continues bitwise. Returns the checkpoint's path once it is committed. Every rank
-    must call it within ``arrival_timeout`` seconds of the others (``None``: the process
+    at the same rank layout, so dropout continues bitwise. Returns the checkpoint's path
+    once it is committed. Every rank must call it within ``arrival_timeout`` seconds of the others (``None``: the process
     group's timeout, with a warning naming the late ranks after 30 s), with the same ``step``.
     A failure on any rank (disk full, a path that is a file) raises :class:`CheckpointError`
     on every rank and removes the partial ``.tmp-`` directory.
@@ -167,8 +168,9 @@ def load_checkpoint(
     on every rank, within ``arrival_timeout`` seconds of each other, with the same
     checkpoint). Returns ``{"step", "extra", "path", "rng"}``; ``rng`` is ``"restored"``
     when this rank's generators were set to its saved states (``rng=True``, the default,
-    and the rank layout they were saved with), else a sentence saying why not. On any mismatch or damage it
-    raises :class:`CheckpointError` and leaves the model and optimizer as they were;
+    and the rank layout they were saved with), else a sentence saying why not. On any
+    mismatch or damage (a generator file's included) it raises :class:`CheckpointError`
+    and leaves the model, optimizer and generators as they were;
     ``path=None`` (what :func:`latest_checkpoint` returns when there is no checkpoint)
     raises it too, saying there is nothing to load."""
     _check_optimizer(optimizer)
