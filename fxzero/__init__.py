@@ -6,6 +6,7 @@ as a torch.compile backend.
 
 from typing import Any
 
+from . import _torch_compat  # noqa: F401  first: it refuses a torch outside the supported range
 from . import mxfp8  # noqa: F401
 from .config import Config, default_bucket_size
 from .distributed_optimizer import DistributedOptimizer, StepResult

@@ -101,3 +101,34 @@ def test_the_hf_extra_installs_no_torchvision() -> None:
     for line in extra:
         _needs(Requirement(line).name, needed)
     assert {"transformers", "accelerate", "torch"} <= needed and "torchvision" not in needed
+
+
+def _pins(name: str) -> dict[str, str]:
+    lines = (ROOT / name).read_text().splitlines()
+    return {Requirement(line).name: line.split("==", 1)[1] for line in lines if "==" in line and not line.startswith("#")}
+
+
+def test_pyproject_states_ranges_and_the_constraints_files_pin_versions_inside_them() -> None:
+    """Installing fxzero or an extra never replaces a version inside the range an environment already
+    has: pyproject.toml states ranges only. The exact versions CI and the README's commands install
+    are ``constraints.txt``'s (``constraints-torch2.15.txt`` changes torch and torchvision for CI's
+    second environment and nothing else), each inside its range, as is what runs here."""
+    from importlib import metadata
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    requirements = [Requirement(line) for group in [project["dependencies"], *project["optional-dependencies"].values()] for line in group]
+    assert [str(r) for r in requirements if any(s.operator in ("==", "===", "~=") for s in r.specifier)] == []
+    assert all(r.specifier for r in requirements), "every requirement states the versions fxzero works with"
+    pins, newest = _pins("constraints.txt"), _pins("constraints-torch2.15.txt")
+    assert set(newest) == {"torch", "torchvision"}
+    for requirement in requirements:
+        for pinned in (pins, newest):
+            if requirement.name in pinned:
+                assert requirement.specifier.contains(pinned[requirement.name]), (str(requirement), pinned[requirement.name])
+        try:
+            installed = metadata.version(requirement.name)
+        except metadata.PackageNotFoundError:
+            continue
+        assert requirement.specifier.contains(installed, prereleases=True), (str(requirement), installed)
+    extras = {r.name for group in project["optional-dependencies"].values() for r in map(Requirement, group)}
+    assert extras - {"pytest", "expecttest", "hypothesis", "pytest-timeout", "matplotlib"} <= set(pins)

@@ -137,7 +137,9 @@ def test_optim_db_at_world_2_matches_plain_torch_optim_on_averaged_gradients() -
     """Also: each configuration's update bucket by bucket, each gather launched as its shard
     is done (the default), is bitwise the update of every shard before the gathers."""
     configs = [c for c in _CONFIGS if c[0] not in (torch.optim.LBFGS, torch.optim.SparseAdam)]
-    assert len(configs) == len(_CONFIGS) - 9 == 82  # LBFGS's 5 and SparseAdam's 4 are refused; every other one runs
+    # every other one runs: in torch 2.13's table LBFGS's 5 and SparseAdam's 4 are refused and 82 run; 2.14 adds two
+    # of LBFGS's (maximize) and two of Muon's (lr adjustments), which run
+    assert len(configs) >= 82 and len(_CONFIGS) - len(configs) >= 9, (len(configs), len(_CONFIGS))
     results = run_ranks(2, _sweep_world_2, configs, timeout=600)
     for result in results:
         for cls, _, name in configs:

@@ -4,6 +4,7 @@ docs', and each older-torch branch (2.11, the build the GPU machines carry, wher
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -91,3 +92,30 @@ def test_the_supported_torch_range_is_pyprojects_and_the_docs_say_it() -> None:
     parts = [path for path in Path(compat.__file__).parent.glob("*.py") if path.name != "__init__.py"]
     named = {_release(m) for path in parts for m in re.findall(r"\b2\.\d+\b", path.read_text())}
     assert named and all(map(inside, named)) and _release(low) in named
+
+
+def _pins(name: str) -> dict[str, str]:
+    lines = (ROOT / name).read_text().splitlines()
+    return dict(line.split("==", 1) for line in lines if "==" in line and not line.startswith("#"))
+
+
+def test_a_torch_outside_the_range_is_refused_at_import_in_one_sentence() -> None:
+    """Not a failure deep inside a compile: ``import fxzero`` itself refuses, naming the range and
+    the newest release verified (the pin of CI's second environment, the top of the range)."""
+    import subprocess
+    import sys
+
+    assert compat.NEWEST_VERIFIED == _pins("constraints-torch2.15.txt")["torch"]
+    newest = _release(compat.NEWEST_VERIFIED)
+    assert compat.TORCH_VERSIONS.endswith(f"<{newest[0]}.{newest[1] + 1}")
+    for inside in ("2.11.0", "2.13.0+cpu", "2.14.1", "2.15.0+cu132", torch.__version__):
+        assert compat.unsupported_torch_message(inside) is None, inside
+    for outside in ("2.10.1", "2.16.0", "2.16.0.dev20261201+cpu", "3.0.0"):
+        message = compat.unsupported_torch_message(outside)
+        assert message is not None and message.count(". ") == 0 and message.endswith("."), message
+        assert f"torch{compat.TORCH_VERSIONS}" in message and compat.NEWEST_VERIFIED in message and outside in message
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, "-c", "import torch; torch.__version__ = '2.16.0'; import fxzero"],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.returncode != 0
+    assert run.stderr.strip().splitlines()[-1] == f"ImportError: {compat.unsupported_torch_message('2.16.0')}"
