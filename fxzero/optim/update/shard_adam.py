@@ -4,7 +4,7 @@
 options of :class:`~fxzero.Config` need something else, so fxzero steps Adam/AdamW itself
 when one is set (any other class with one is refused at construction, naming the option):
 
-* ``optimizer_state_dtype`` ``"bf16"`` or ``"fp8"``: the moments are kept narrower
+* ``optimizer_state_dtype`` (or ``exp_avg_dtype`` / ``exp_avg_sq_dtype``) ``"bf16"`` or ``"fp8"``: a moment is kept narrower
   (:mod:`~fxzero.optim.update.moment_store`); the update computes in fp32;
 * ``param_remainders``: bf16 params keep no fp32 master; each run keeps an int16 remainder
   that rebuilds it exactly with the param (:mod:`~fxzero.optim.params.bf16_rounding`).
@@ -78,10 +78,10 @@ class ShardAdamW(torch.optim.Optimizer):
 
     def __init__(
         self, groups: list[dict[str, Any]], fragments: Sequence[FragmentTensor], places: Sequence[Place], *,
-        state_dtype: str, remainders: bool, decoupled: bool,
+        state_dtypes: tuple[str, str], remainders: bool, decoupled: bool,
     ) -> None:  # fmt: skip
         super().__init__(groups, {})
-        self.fragments, self.decoupled, self.state_dtype = tuple(fragments), decoupled, state_dtype
+        self.fragments, self.decoupled, self.state_dtypes = tuple(fragments), decoupled, state_dtypes
         self._runs = [self._run_state(run, remainders) for run in plan_runs(places)]
         self.remainders = any(rs.remainder is not None for rs in self._runs)
         """Whether some masters are kept as remainders (:class:`~fxzero.optim.state.fragment_store.FragmentStore`)."""
@@ -100,8 +100,8 @@ class ShardAdamW(torch.optim.Optimizer):
             lo = self.fragments[i].param.storage_offset() - run.start
             spans.append(slice(lo, lo + self.fragments[i].param.numel()))
         device = param.device
-        return _RunState(run, param, grad, make_store(self.state_dtype, n, device, second=False),
-                         make_store(self.state_dtype, n, device, second=True), remainder, [0] * len(run.fragments), spans)  # fmt: skip
+        return _RunState(run, param, grad, make_store(self.state_dtypes[0], n, device, second=False),
+                         make_store(self.state_dtypes[1], n, device, second=True), remainder, [0] * len(run.fragments), spans)  # fmt: skip
 
     # ---- the step -------------------------------------------------------------------
     @torch.no_grad()
