@@ -51,12 +51,15 @@ SPEED_MODES: dict[str, tuple[str, torch.dtype, dict[str, Any], float]] = {
     "fxzero fp32 state, bf16 params + fp32 masters": ("fxzero", torch.bfloat16, {}, 4 + 3 * 8 + 2),
     "fxzero bf16 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16"}, 4 + 8 + 2 * 4),
     "fxzero fp8 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8"}, 4 + 8 + 2 * (_FP8_M + _FP8_V)),
+    "fxzero bf16 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16", "compiled_update": True}, 4 + 8 + 2 * 4),
+    "fxzero fp8 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8", "compiled_update": True},
+                                          4 + 8 + 2 * (_FP8_M + _FP8_V)),
     "fxzero remainders": ("fxzero", torch.bfloat16, {"param_remainders": True}, 4 + 4 + 4 + 16),
     "fxzero stochastic rounding": ("fxzero", torch.bfloat16, {"param_rounding": "stochastic"}, 4 + 3 * 8 + 2),
     "torchao AdamW8bit": ("AdamW8bit", torch.float32, {}, 4 + 8 + 4 * _AO_8BIT),
     "torchao AdamWFp8": ("AdamWFp8", torch.float32, {}, 4 + 8 + 4 * _AO_8BIT),
 }
-_FXZERO_OPTIONS = ("optimizer_state_dtype", "param_remainders", "param_rounding", "exp_avg_dtype", "exp_avg_sq_dtype")
+_FXZERO_OPTIONS = ("compiled_update", "optimizer_state_dtype", "param_remainders", "param_rounding", "exp_avg_dtype", "exp_avg_sq_dtype")
 
 
 def _speed_model(dtype: torch.dtype) -> torch.nn.Module:
@@ -114,7 +117,9 @@ def _speed_rank(rounds: int, labels: list[str]) -> dict[str, Any]:
             opt.zero_grad()
         bandwidth.append(_add_bandwidth())
     params = sum(p.numel() for p in _speed_model(torch.float32).parameters())
-    return {"ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "bandwidth": statistics.median(bandwidth), "params": params}
+    fused = [opt.runtime.local.fused for _, opt in setups.values() if getattr(getattr(opt, "runtime", None), "local", None) is not None
+             and getattr(opt.runtime.local, "fused", None) is not None]  # fmt: skip
+    return {"compile_s": fused[0].compile_seconds if fused else 0.0, "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "bandwidth": statistics.median(bandwidth), "params": params}
 
 
 def _speed_rows(result: dict[str, Any], world: int) -> list[list[str]]:
@@ -226,7 +231,8 @@ def main() -> None:
         started = time.perf_counter()
         one = _speed_rank(args.rounds, list(SPEED_MODES))
         print(f"World 1, {one['params'] / 1e6:.2f}M params, torch.add_ {one['bandwidth'] / 1e9:.1f} GB/s in the same rounds, "
-              f"median of {args.rounds} paired rounds ({time.perf_counter() - started:.0f} s):\n")  # fmt: skip
+              f"median of {args.rounds} paired rounds ({time.perf_counter() - started:.0f} s; compiled_update's Inductor compiles "
+              f"{one['compile_s']:.0f} s, once, in round 0):\n")  # fmt: skip
         print(tabulate(_speed_rows(one, 1), headers=headers, tablefmt="github"), flush=True)
     if not args.skip_speed and not args.skip_world_2:
         two = run_ranks(2, _speed_rank, args.rounds, list(SPEED_MODES), timeout=3600)[0]

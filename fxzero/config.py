@@ -195,6 +195,14 @@ class Config:
     """How Adam's second moment is kept (Megatron-LM's ``--exp-avg-sq-dtype``); ``None``: as
     ``optimizer_state_dtype`` says."""
 
+    compiled_update: bool = False
+    """Step narrow moments (``bf16``/``fp8`` in ``optimizer_state_dtype``, ``exp_avg_dtype`` or
+    ``exp_avg_sq_dtype``) with one Inductor-generated pass per run of the shard instead of the eager
+    chain of torch ops (:mod:`fxzero.optim.update.fused_run`): the compile is paid once per process
+    (tens of seconds cold on a CPU), each step then reads and writes the run's bytes about once. Its
+    arithmetic is Inductor's, not op for op torch.optim's; fp32 state keeps the eager update (with
+    remainders, bitwise the half-away fp32-master run)."""
+
     param_remainders: bool = False
     """Keep no fp32 master for bf16 params: the bf16 param holds its high 16 bits and an int16
     remainder per element its low 16 (Megatron-LM's ``store_param_remainders``), 2 bytes per
@@ -225,7 +233,7 @@ class Config:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"Config.state_dict_timeout must be a finite number of seconds > 0, got {timeout!r}")
         flags = ("overlap_param_gather", "overlap_param_gather_with_optimizer_step", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
-                 "broadcast_buffers", "param_remainders")
+                 "broadcast_buffers", "param_remainders", "compiled_update")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")

@@ -271,7 +271,8 @@ def _shard_adam(config: Config, optimizer_class: type, groups: Sequence[dict[str
                 fragments: Sequence[FragmentTensor]) -> ShardAdamW:  # fmt: skip
     places = [place_of(frag, table.rows[frag.slot].group, table.bucket_of_slot[frag.slot]) for frag in fragments]
     return ShardAdamW(_local_groups(groups, table, fragments), fragments, places, state_dtypes=config.moment_dtypes,
-                      remainders=config.param_remainders, decoupled=optimizer_class is torch.optim.AdamW)  # fmt: skip
+                      remainders=config.param_remainders, decoupled=optimizer_class is torch.optim.AdamW,
+                      compiled=config.compiled_update)  # fmt: skip
 
 
 def _by_bucket(stepwise: bool, optimizer_class: type, param_sync: ParamSync, publish: Publish) -> Optional[ByBucket]:

@@ -381,3 +381,28 @@ def test_model_families_keep_remainders_bitwise_and_train_with_narrow_state(name
         narrow = _family_run(name, {"optimizer_state_dtype": dtype, "param_remainders": True}, accumulate=2)
         assert all(bool(p.isfinite().all()) for p in narrow)
         assert max(float((a - b).abs().max()) for a, b in zip(narrow, half_away)) < 1.5 * 3 * LR, (name, dtype)
+
+
+# ---- the compiled run update (Config.compiled_update) ------------------------------------------------
+@pytest.mark.slow
+def test_the_compiled_run_update_compiles_once_per_kinds_and_steps_like_the_eager_one() -> None:
+    """Cold Inductor compiles (one per kinds of moments and remainders): slow. A later step, another lr
+    and another run of the same kinds reuse the graph; the params stay within rounding of the eager update's."""
+    for options in ({"optimizer_state_dtype": "fp8"}, {"optimizer_state_dtype": "bf16", "param_remainders": True},
+                    {"exp_avg_sq_dtype": "fp8"}):  # fmt: skip
+        eager = _train("gpt", options, steps=2)
+        model = build("gpt").to(torch.bfloat16)
+        compiled = _train("gpt", {**options, "compiled_update": True}, steps=2, model=model)
+        fused = compiled["opt"].runtime.local.fused
+        assert fused.compile_seconds > 0
+        first = fused.compiles
+        for group in compiled["opt"].param_groups:
+            group["lr"] = LR / 2
+        x, y = batch("gpt", 2, GLOBAL)
+        loss_fn("gpt", model(x, **forward_kwargs("gpt", 2)).float(), y).backward()
+        compiled["opt"].step()  # a third step at another lr: the same graph
+        assert fused.compiles == first, options
+        _train("gpt", {**options, "compiled_update": True}, steps=1)
+        assert fused.compiles == first  # a fresh optimizer of the same kinds: the same graph
+        assert _drift(compiled, eager) < 0.5 * 2, (options, _drift(compiled, eager))
+        assert compiled["opt"].state_bytes == eager["opt"].state_bytes

@@ -39,6 +39,7 @@ from ..layout.shards import FragmentTensor
 from ..params import bf16_rounding
 from ..state.state_dict import REMAINDER_KEY
 from .flat_update import Place, Run, plan_runs
+from .fused_run import FusedRunUpdate
 from .moment_store import MomentStore, make_store
 
 __all__ = ["ADAM_CLASSES", "ShardAdamW", "UNSUPPORTED_FLAGS"]
@@ -78,7 +79,7 @@ class ShardAdamW(torch.optim.Optimizer):
 
     def __init__(
         self, groups: list[dict[str, Any]], fragments: Sequence[FragmentTensor], places: Sequence[Place], *,
-        state_dtypes: tuple[str, str], remainders: bool, decoupled: bool,
+        state_dtypes: tuple[str, str], remainders: bool, decoupled: bool, compiled: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(groups, {})
         self.fragments, self.decoupled, self.state_dtypes = tuple(fragments), decoupled, state_dtypes
@@ -87,6 +88,9 @@ class ShardAdamW(torch.optim.Optimizer):
         """Whether some masters are kept as remainders (:class:`~fxzero.optim.state.fragment_store.FragmentStore`)."""
         self._where = {id(self.fragments[i].param): (r, k) for r, rs in enumerate(self._runs) for k, i in enumerate(rs.run.fragments)}
         self._cache: dict[int, tuple[list[torch.Tensor], int, list[int]]] = {}
+        self.fused = FusedRunUpdate() if compiled and state_dtypes != ("fp32", "fp32") else None
+        """The Inductor-generated run update (``Config.compiled_update``), for narrow moments only
+        (:mod:`~fxzero.optim.update.fused_run` says why)."""
         self.state = _FragmentStates(self)  # type: ignore[assignment]
 
     def _run_state(self, run: Run, remainders: bool) -> _RunState:
@@ -131,7 +135,12 @@ class ShardAdamW(torch.optim.Optimizer):
     def _step_run(self, rs: _RunState, hyper: tuple, whole: bool) -> None:
         """Update run ``rs``: as one tensor when every fragment steps and their counts agree (the
         common case), else fragment by fragment (a hidden one keeps its values and count)."""
-        master, m, v, steps = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load(), rs.steps
+        steps = rs.steps
+        if self.fused is not None and whole and steps.count(steps[0]) == len(steps):
+            self.fused(rs.param, rs.remainder, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper)
+            rs.steps = [steps[0] + 1] * len(steps)
+            return
+        master, m, v = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load()
         if whole and steps.count(steps[0]) == len(steps):
             _adam(master, rs.grad, m, v, steps[0] + 1, hyper)
             rs.steps = [steps[0] + 1] * len(steps)
