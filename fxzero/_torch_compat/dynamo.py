@@ -112,7 +112,7 @@ def trace_artifact(name: str, encoding: str, payload: Any, compile_id: Optional[
 def recompile_limit(limit: int) -> Any:
     """A context in which Dynamo compiles up to ``limit`` graphs of one function (one per kinds of
     input it guards on) before refusing. ``torch._dynamo.config.patch(recompile_limit=...)``
-    (``cache_size_limit`` before torch 2.6; torch>=2.11 has the new name)."""
+    (every supported torch has this name)."""
     import torch._dynamo
 
     return torch._dynamo.config.patch(recompile_limit=limit)
