@@ -16,6 +16,7 @@ What must hold (issue 46):
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any
 
 import pytest
@@ -301,8 +302,11 @@ def _check_modes(runs: dict[str, Any]) -> None:
     assert _same(runs["remainders"], runs["half_away"])
     for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
         assert _drift(runs[label], runs["fp32"]) < bound * STEPS, (label, _drift(runs[label], runs["fp32"]))
+    # MXFP8 params: the comparison's resolution is one E4M3 code of the largest weight (3 mantissa bits:
+    # 2^-4 for weights in [0.5, 1), 6.25 lr), which a narrow moment's rounding may flip
+    code = max(2.0 ** (math.ceil(math.log2(float(p.abs().max()))) - 4) for p in runs["mxfp8 gather"]["params"]) / LR
     for label, bound in (("fp8 state, mxfp8 gather", 1.5), ("bf16 state, mxfp8 gather", 1.5)):
-        assert _drift(runs[label], runs["mxfp8 gather"]) < bound * STEPS, label
+        assert _drift(runs[label], runs["mxfp8 gather"]) < bound * STEPS + code, label
     assert runs["remainders"]["bytes"] < runs["half_away"]["bytes"]
     assert runs["fp8 state"]["bytes"] < runs["bf16 state"]["bytes"] < runs["fp32"]["bytes"]
     assert all(abs(a - b) < 0.05 for run in runs.values() for a, b in zip(run["losses"], runs["fp32"]["losses"]))
