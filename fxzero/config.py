@@ -176,14 +176,32 @@ class Config:
 
     optimizer_state_dtype: Literal["fp32", "bf16", "fp8"] = "fp32"
     """How Adam/AdamW keep their two moments between steps (Megatron-LM's ``--exp-avg-dtype`` and
-    ``--exp-avg-sq-dtype``, which this sets together): ``"fp32"`` (the default; the wrapped
+    ``--exp-avg-sq-dtype``; this is the shorthand that sets both, ``exp_avg_dtype`` and
+    ``exp_avg_sq_dtype`` set one each): ``"fp32"`` (the default; the wrapped
     ``torch.optim`` class steps as it is), ``"bf16"`` (half the bytes), or ``"fp8"``: 8-bit
-    E4M3 codes in blocks of 32 elements with one power-of-two scale each (1.03 bytes per
-    element; blocks never span two ranks' shards; the second moment is kept as its square
-    root, rounded up). Any setting but ``"fp32"`` steps with fxzero's own Adam update over
+    codes in blocks of 32 elements (blocks never span two ranks' shards): the first moment
+    as E4M3 with one power-of-two scale per block (1.03 bytes per element), the second as its
+    square root in an unsigned 8-bit float with one bf16 scale per block (1.06 bytes per
+    element; :mod:`fxzero.optim.update.moment_store` says why). Any setting but ``"fp32"`` steps with fxzero's own Adam update over
     runs of the flat shard (:mod:`fxzero.optim.update.shard_adam`), which always computes in
     fp32; only ``torch.optim.Adam`` and ``torch.optim.AdamW`` (exactly) have it: any other
     class is refused, naming this option. docs/precision.md has each mode's measured drift."""
+
+    exp_avg_dtype: Optional[Literal["fp32", "bf16", "fp8"]] = None
+    """How Adam's first moment is kept (Megatron-LM's ``--exp-avg-dtype``); ``None``: as
+    ``optimizer_state_dtype`` says."""
+
+    exp_avg_sq_dtype: Optional[Literal["fp32", "bf16", "fp8"]] = None
+    """How Adam's second moment is kept (Megatron-LM's ``--exp-avg-sq-dtype``); ``None``: as
+    ``optimizer_state_dtype`` says."""
+
+    compiled_update: bool = False
+    """Step narrow moments (``bf16``/``fp8`` in ``optimizer_state_dtype``, ``exp_avg_dtype`` or
+    ``exp_avg_sq_dtype``) with one Inductor-generated pass per run of the shard instead of the eager
+    chain of torch ops (:mod:`fxzero.optim.update.fused_run`): the compile is paid once per process
+    (tens of seconds cold on a CPU), each step then reads and writes the run's bytes about once. Its
+    arithmetic is Inductor's, not op for op torch.optim's; fp32 state keeps the eager update (with
+    remainders, bitwise the half-away fp32-master run)."""
 
     param_remainders: bool = False
     """Keep no fp32 master for bf16 params: the bf16 param holds its high 16 bits and an int16
@@ -215,7 +233,7 @@ class Config:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"Config.state_dict_timeout must be a finite number of seconds > 0, got {timeout!r}")
         flags = ("overlap_param_gather", "overlap_param_gather_with_optimizer_step", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
-                 "broadcast_buffers", "param_remainders")
+                 "broadcast_buffers", "param_remainders", "compiled_update")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -258,6 +276,12 @@ class Config:
         return "half_away" if self.param_remainders else "nearest_even"
 
     @property
+    def moment_dtypes(self) -> tuple[str, str]:
+        """How the first and second moments are kept, each flag resolved against ``optimizer_state_dtype``."""
+        shorthand = self.optimizer_state_dtype
+        return (self.exp_avg_dtype or shorthand, self.exp_avg_sq_dtype or shorthand)
+
+    @property
     def shard_multiple(self) -> int:
         """Every rank's shard of a bucket is a multiple of this many elements."""
         return 32 if self.mxfp8_param_gather else 1
@@ -275,6 +299,11 @@ def _check_bucket_size(value: object) -> None:
 def _check_precision(config: Config) -> None:
     if config.optimizer_state_dtype not in ("fp32", "bf16", "fp8"):
         raise ValueError(f"Config.optimizer_state_dtype must be 'fp32', 'bf16' or 'fp8', got {config.optimizer_state_dtype!r}")
+    for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(config, name) not in (None, "fp32", "bf16", "fp8"):
+            raise ValueError(
+                f"Config.{name} must be 'fp32', 'bf16', 'fp8' or None (as optimizer_state_dtype says), got {getattr(config, name)!r}"
+            )
     if config.param_rounding not in ("auto", "nearest_even", "half_away", "stochastic"):
         raise ValueError(
             f"Config.param_rounding must be 'auto', 'nearest_even', 'half_away' or 'stochastic', got {config.param_rounding!r}"

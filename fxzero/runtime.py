@@ -233,13 +233,13 @@ def _local_optimizer(
 
 def _own_update(config: Config) -> bool:
     """Whether fxzero's own Adam update steps (:mod:`fxzero.optim.update.shard_adam`)."""
-    return config.optimizer_state_dtype != "fp32" or config.param_remainders
+    return config.moment_dtypes != ("fp32", "fp32") or config.param_remainders
 
 
 def _check_precision(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable) -> bool:
     """Refuse precision options this optimizer or these params cannot have, naming them; returns :func:`_own_update`."""
     own = _own_update(config)
-    option = f"Config.optimizer_state_dtype={config.optimizer_state_dtype!r}" if config.optimizer_state_dtype != "fp32" else "Config.param_remainders=True"
+    option = _precision_option(config)
     if own and optimizer_class not in ADAM_CLASSES:
         raise ValueError(
             f"fxzero: {option} steps with fxzero's own Adam update, which only torch.optim.Adam and torch.optim.AdamW have; "
@@ -259,11 +259,20 @@ def _check_precision(config: Config, optimizer_class: type, groups: Sequence[dic
     return own
 
 
+def _precision_option(config: Config) -> str:
+    """The option that asks for fxzero's own update, as the user set it (refusals name it)."""
+    for name in ("optimizer_state_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(config, name) not in (None, "fp32"):
+            return f"Config.{name}={getattr(config, name)!r}"
+    return "Config.param_remainders=True"
+
+
 def _shard_adam(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable,
                 fragments: Sequence[FragmentTensor]) -> ShardAdamW:  # fmt: skip
     places = [place_of(frag, table.rows[frag.slot].group, table.bucket_of_slot[frag.slot]) for frag in fragments]
-    return ShardAdamW(_local_groups(groups, table, fragments), fragments, places, state_dtype=config.optimizer_state_dtype,
-                      remainders=config.param_remainders, decoupled=optimizer_class is torch.optim.AdamW)  # fmt: skip
+    return ShardAdamW(_local_groups(groups, table, fragments), fragments, places, state_dtypes=config.moment_dtypes,
+                      remainders=config.param_remainders, decoupled=optimizer_class is torch.optim.AdamW,
+                      compiled=config.compiled_update)  # fmt: skip
 
 
 def _by_bucket(stepwise: bool, optimizer_class: type, param_sync: ParamSync, publish: Publish) -> Optional[ByBucket]:

@@ -14,6 +14,7 @@ __all__ = [
     "compile_id",
     "dynamo_input_names",
     "dynamo_runs_eagerly_at_top_level",
+    "recompile_limit",
     "register_torch_log",
     "trace_artifact",
     "tracing",
@@ -106,3 +107,12 @@ def trace_artifact(name: str, encoding: str, payload: Any, compile_id: Optional[
         payload_fn=lambda: payload,
         compile_id=compile_id,
     )
+
+
+def recompile_limit(limit: int) -> Any:
+    """A context in which Dynamo compiles up to ``limit`` graphs of one function (one per kinds of
+    input it guards on) before refusing. ``torch._dynamo.config.patch(recompile_limit=...)``
+    (every supported torch has this name)."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(recompile_limit=limit)

@@ -16,6 +16,7 @@ import torch.fx as fx
 __all__ = [
     "InductorCompilers",
     "aot_autograd",
+    "inductor_compile",
     "inductor_compile_context",
     "inductor_decompositions",
     "inductor_partition",
@@ -32,6 +33,15 @@ def aot_autograd(**kwargs: Any) -> Callable[..., Any]:
     from torch._dynamo.backends.common import aot_autograd as make
 
     return make(**kwargs)
+
+
+def inductor_compile(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """What ``torch.compile(backend="inductor")`` does with a Dynamo graph, as a callable backend a
+    caller can wrap (to count its compiles). ``torch._inductor.compile_fx.compile_fx``; replacement:
+    ``torch._dynamo.lookup_backend("inductor")``."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
 
 
 def inductor_pre_grad_passes(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> fx.GraphModule:

@@ -61,7 +61,16 @@ def join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
 
 
 def _hash16(bits: torch.Tensor) -> torch.Tensor:
-    """16 pseudo-random bits per element, a function of its 32 bits (int64 arithmetic: no overflow)."""
+    """16 pseudo-random bits per element, a function of its 32 bits. int32 arithmetic that wraps as
+    unsigned 32-bit arithmetic does (a product's low 32 bits do not depend on the sign; the shift is
+    made logical by its mask): the same bits as the int64 form, at half its bytes and a third of its ops."""
+    wide = bits.mul(_GOLDEN - (1 << 32))
+    wide.bitwise_xor_(wide.bitwise_right_shift(15).bitwise_and_(0x1FFFF)).mul_(0x2C1B3C6D)
+    return wide.bitwise_right_shift_(12).bitwise_and_(0xFFFF)
+
+
+def _hash16_wide(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`_hash16` in int64 arithmetic, which cannot overflow: its reference (tested equal)."""
     wide = bits.to(torch.int64).bitwise_and_(0xFFFFFFFF)
     wide.mul_(_GOLDEN).bitwise_and_(0xFFFFFFFF)
     wide.bitwise_xor_(wide >> 15).mul_(0x2C1B3C6D).bitwise_and_(0xFFFFFFFF)

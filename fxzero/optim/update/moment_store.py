@@ -1,23 +1,33 @@
 """How :class:`~fxzero.optim.update.shard_adam.ShardAdamW` keeps one moment of one run: fp32,
-bf16, or 8-bit blocks (``Config.optimizer_state_dtype``).
+bf16, or 8-bit blocks (``Config.exp_avg_dtype`` / ``Config.exp_avg_sq_dtype``).
 
 Every store :meth:`~MomentStore.load`\\ s fp32 values for the update and :meth:`~MomentStore.save`\\ s
 them back: the update itself always computes in fp32 (as Megatron-LM's precision-aware
-optimizer does), and only what is kept between steps is narrower.
+optimizer does, and torchao's low-bit AdamW), and only what is kept between steps is narrower.
+Each run of the shard is cut into blocks of 32 elements from its own start, so no block spans
+two ranks' shards (a run lies in one rank's shard).
 
-**8-bit blocks** (``"fp8"``): each run of the shard is cut into blocks of 32 elements from its
-own start, so no block spans two ranks' shards (a run lies in one rank's shard); a block keeps
-32 ``float8_e4m3fn`` codes and one int8 exponent ``e``, its scale ``2^e`` the smallest power of
-two that puts the block's largest magnitude at or below 448 (E4M3's largest value): no
-element is clipped, unlike MXFP8's "floor" scale. 1 + 1/32 bytes per element. Why powers of
-two: a dequantized value ``code * 2^e`` is exact in fp32, and quantizing it again gives the same
-value back, so a checkpoint that stores dequantized values resumes bitwise (:meth:`export` /
-:meth:`import_`).
+**The first moment in 8 bits** (:class:`BlockStore`): 32 ``float8_e4m3fn`` codes (round to
+nearest) and one int8 exponent ``e`` per block, the scale ``2^e`` the smallest power of two that
+puts the block's largest magnitude at or below 448 (nothing is clipped). 1 + 1/32 bytes per element.
 
-The second moment is kept as its square root (``sqrt_of=True``) and rounded *up* to the next
-code: its range in a block halves (in octaves), and a nonzero second moment never decodes to
-zero or to less than it was, so quantization can only shrink an Adam update, never blow one
-up by dividing by a flushed denominator (the failure of plain 8-bit second moments).
+**The second moment in 8 bits** (:class:`RootStore`) is kept as its square root ``r``, which
+halves its range in octaves, in an unsigned 8-bit float of our own: ``r`` is never negative, so
+E4M3's sign bit becomes a fourth mantissa bit (relative error at most 2^-5, as E4M3 on ``v``
+itself, over 16 octaves of ``r``: 32 of ``v``, gradients spanning ~5 decades in one block).
+Each block has one bf16 scale, its largest root / 1.875 (the largest code) rounded to nearest,
+so the largest root is kept to bf16's precision (the largest code, clamped: never above it). Why not a power of two, as the first moment:
+``v`` grows by ``1 - beta2`` (0.1%) of ``g^2`` a step, far below half a code, so a code on a
+fixed grid stops growing while the bias correction keeps shrinking ``v``'s divisor, and the
+steps grow (the first version of this codec, rounding roots up, froze them instead; drift 10x
+torchao's). A scale that follows the block's largest value carries the whole block's growth,
+as torchao's fp32 block scales do (``benchmarks/update.py`` measures the drift of each). Roots
+too small for the block's codes keep the smallest one (never zero): quantization cannot make a
+denominator vanish and blow an update up, whatever the gradients span. 1 + 2/32 bytes per element.
+
+**Checkpoints**: both decode to exact fp32 values that encode back to the same codes and scales
+(a code times a power of two or a bf16 scale is exact in fp32, and ``sqrt(r*r) == r`` in IEEE
+arithmetic), so a checkpoint of decoded values resumes bitwise (:meth:`export` / :meth:`import_`).
 """
 
 from __future__ import annotations
@@ -31,6 +41,11 @@ __all__ = ["BLOCK", "MomentStore", "STATE_DTYPES", "make_store"]
 BLOCK = 32
 STATE_DTYPES = ("fp32", "bf16", "fp8")
 _E4M3_MAX = 448.0
+_ROOT_MAX = 1.875
+"""The largest root code's value (before the block scale): 2^0 * (1 + 14/16)."""
+_ROOT_BASE = ((127 - 15) << 23) - (1 << 19)
+"""fp32 bits of code 0's place: code ``c >= 1`` is the fp32 ``2^-15 * (1 + (c - 1) / 16)`` for
+``c <= 16`` and so on up by octaves: its bits are ``_ROOT_BASE + (c << 19)``."""
 
 
 class MomentStore(Protocol):
@@ -72,34 +87,23 @@ class PlainStore:
         self.values.copy_(values.reshape(-1))
 
 
-class BlockStore:
-    """8-bit E4M3 codes in blocks of :data:`BLOCK`, one power-of-two scale per block."""
+class _Blocks:
+    """Codes padded to whole blocks, and the plumbing every 8-bit store shares."""
 
-    def __init__(self, numel: int, device: torch.device, *, sqrt_of: bool) -> None:
-        self.numel, self.sqrt_of = numel, sqrt_of
+    def __init__(self, numel: int, device: torch.device, scale_dtype: torch.dtype, code_dtype: torch.dtype) -> None:
+        self.numel = numel
         blocks = -(-numel // BLOCK)
-        self.codes = torch.zeros(blocks * BLOCK, dtype=torch.float8_e4m3fn, device=device)
-        self.exponents = torch.zeros(blocks, dtype=torch.int8, device=device)
-        self.nbytes = self.codes.nbytes + self.exponents.nbytes
+        self.codes = torch.zeros(blocks * BLOCK, dtype=code_dtype, device=device)
+        self.scales = torch.zeros(blocks, dtype=scale_dtype, device=device)
+        self.nbytes = self.codes.nbytes + self.scales.nbytes
 
     def load(self) -> torch.Tensor:
-        values = self._decoded()[: self.numel]
-        return values.square_() if self.sqrt_of else values
+        return self.decode(self.codes.view(-1, BLOCK), self.scales).view(-1)[: self.numel]
 
     def save(self, values: torch.Tensor) -> None:
         padded = torch.zeros(self.codes.numel(), dtype=torch.float32, device=values.device)
         padded[: self.numel] = values.reshape(-1)
-        if self.sqrt_of:
-            padded.sqrt_()
-        blocks = padded.view(-1, BLOCK)
-        mantissa, exponent = torch.frexp(blocks.abs().amax(dim=1) / _E4M3_MAX)
-        exponent = exponent.sub_(mantissa.eq(0.5).to(exponent.dtype)).clamp_(-127, 127)  # ceil(log2(amax / 448))
-        self.exponents.copy_(exponent)
-        blocks.div_(torch.exp2(exponent.to(torch.float32)).unsqueeze(1)).clamp_(-_E4M3_MAX, _E4M3_MAX)
-        self.codes.copy_(padded)
-        if self.sqrt_of:  # round up: bump each code that decoded below its value to the next one
-            below = self.codes.to(torch.float32).lt_(padded)
-            self.codes.view(torch.uint8).add_(below.to(torch.uint8))
+        self.encode(padded.view(-1, BLOCK), self.codes.view(-1, BLOCK), self.scales)
 
     def export(self) -> torch.Tensor:
         return self.load()
@@ -107,13 +111,50 @@ class BlockStore:
     def import_(self, values: torch.Tensor) -> None:
         self.save(values.to(torch.float32))
 
-    def _decoded(self) -> torch.Tensor:
-        scale = torch.exp2(self.exponents.to(torch.float32)).unsqueeze(1)
-        return self.codes.to(torch.float32).view(-1, BLOCK).mul_(scale).view(-1)
+
+class BlockStore(_Blocks):
+    """The first moment: E4M3 codes in blocks of :data:`BLOCK`, one power-of-two scale per block."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        super().__init__(numel, device, torch.int8, torch.float8_e4m3fn)
+
+    @staticmethod
+    def decode(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
+        return codes.to(torch.float32) * torch.exp2(exponents.to(torch.float32)).unsqueeze(1)
+
+    @staticmethod
+    def encode(blocks: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor) -> None:
+        mantissa, exponent = torch.frexp(blocks.abs().amax(dim=1) / _E4M3_MAX)
+        exponent = (exponent - mantissa.eq(0.5).to(exponent.dtype)).clamp(-127, 127)  # ceil(log2(amax / 448))
+        exponents.copy_(exponent)
+        codes.copy_((blocks / torch.exp2(exponent.to(torch.float32)).unsqueeze(1)).clamp(-_E4M3_MAX, _E4M3_MAX))
+
+
+class RootStore(_Blocks):
+    """The second moment: unsigned 8-bit codes of its root in blocks of :data:`BLOCK`, one bf16 scale each."""
+
+    def __init__(self, numel: int, device: torch.device) -> None:
+        super().__init__(numel, device, torch.bfloat16, torch.uint8)
+
+    @staticmethod
+    def decode(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        wide = codes.to(torch.int32)
+        roots = torch.where(wide > 0, wide.bitwise_left_shift(19) + _ROOT_BASE, 0).view(torch.float32)
+        return (roots * scales.to(torch.float32).unsqueeze(1)).square()
+
+    @staticmethod
+    def encode(blocks: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        roots = blocks.sqrt()
+        wanted = roots.amax(dim=1) / _ROOT_MAX
+        scales.copy_(wanted)  # to nearest: a scale rounded up would compound, step after step, into a growing v
+        scale = scales.to(torch.float32).unsqueeze(1)
+        scaled = torch.where(scale > 0, roots / scale, 0.0)
+        code = scaled.view(torch.int32).sub(_ROOT_BASE - (1 << 18)).bitwise_right_shift(19).clamp(1, 255)
+        codes.copy_(torch.where(scaled > 0, code, 0).to(torch.uint8))
 
 
 def make_store(state_dtype: str, numel: int, device: torch.device, *, second: bool) -> MomentStore:
     """A store for ``numel`` elements of the first (``second=False``) or second moment."""
     if state_dtype == "fp8":
-        return BlockStore(numel, device, sqrt_of=second)
+        return RootStore(numel, device) if second else BlockStore(numel, device)
     return PlainStore(numel, torch.float32 if state_dtype == "fp32" else torch.bfloat16, device)

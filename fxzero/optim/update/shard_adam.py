@@ -4,7 +4,7 @@
 options of :class:`~fxzero.Config` need something else, so fxzero steps Adam/AdamW itself
 when one is set (any other class with one is refused at construction, naming the option):
 
-* ``optimizer_state_dtype`` ``"bf16"`` or ``"fp8"``: the moments are kept narrower
+* ``optimizer_state_dtype`` (or ``exp_avg_dtype`` / ``exp_avg_sq_dtype``) ``"bf16"`` or ``"fp8"``: a moment is kept narrower
   (:mod:`~fxzero.optim.update.moment_store`); the update computes in fp32;
 * ``param_remainders``: bf16 params keep no fp32 master; each run keeps an int16 remainder
   that rebuilds it exactly with the param (:mod:`~fxzero.optim.params.bf16_rounding`).
@@ -39,6 +39,7 @@ from ..layout.shards import FragmentTensor
 from ..params import bf16_rounding
 from ..state.state_dict import REMAINDER_KEY
 from .flat_update import Place, Run, plan_runs
+from .fused_run import FusedRunUpdate
 from .moment_store import MomentStore, make_store
 
 __all__ = ["ADAM_CLASSES", "ShardAdamW", "UNSUPPORTED_FLAGS"]
@@ -78,15 +79,18 @@ class ShardAdamW(torch.optim.Optimizer):
 
     def __init__(
         self, groups: list[dict[str, Any]], fragments: Sequence[FragmentTensor], places: Sequence[Place], *,
-        state_dtype: str, remainders: bool, decoupled: bool,
+        state_dtypes: tuple[str, str], remainders: bool, decoupled: bool, compiled: bool = False,
     ) -> None:  # fmt: skip
         super().__init__(groups, {})
-        self.fragments, self.decoupled, self.state_dtype = tuple(fragments), decoupled, state_dtype
+        self.fragments, self.decoupled, self.state_dtypes = tuple(fragments), decoupled, state_dtypes
         self._runs = [self._run_state(run, remainders) for run in plan_runs(places)]
         self.remainders = any(rs.remainder is not None for rs in self._runs)
         """Whether some masters are kept as remainders (:class:`~fxzero.optim.state.fragment_store.FragmentStore`)."""
         self._where = {id(self.fragments[i].param): (r, k) for r, rs in enumerate(self._runs) for k, i in enumerate(rs.run.fragments)}
         self._cache: dict[int, tuple[list[torch.Tensor], int, list[int]]] = {}
+        self.fused = FusedRunUpdate() if compiled and state_dtypes != ("fp32", "fp32") else None
+        """The Inductor-generated run update (``Config.compiled_update``), for narrow moments only
+        (:mod:`~fxzero.optim.update.fused_run` says why)."""
         self.state = _FragmentStates(self)  # type: ignore[assignment]
 
     def _run_state(self, run: Run, remainders: bool) -> _RunState:
@@ -100,8 +104,8 @@ class ShardAdamW(torch.optim.Optimizer):
             lo = self.fragments[i].param.storage_offset() - run.start
             spans.append(slice(lo, lo + self.fragments[i].param.numel()))
         device = param.device
-        return _RunState(run, param, grad, make_store(self.state_dtype, n, device, second=False),
-                         make_store(self.state_dtype, n, device, second=True), remainder, [0] * len(run.fragments), spans)  # fmt: skip
+        return _RunState(run, param, grad, make_store(self.state_dtypes[0], n, device, second=False),
+                         make_store(self.state_dtypes[1], n, device, second=True), remainder, [0] * len(run.fragments), spans)  # fmt: skip
 
     # ---- the step -------------------------------------------------------------------
     @torch.no_grad()
@@ -131,7 +135,12 @@ class ShardAdamW(torch.optim.Optimizer):
     def _step_run(self, rs: _RunState, hyper: tuple, whole: bool) -> None:
         """Update run ``rs``: as one tensor when every fragment steps and their counts agree (the
         common case), else fragment by fragment (a hidden one keeps its values and count)."""
-        master, m, v, steps = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load(), rs.steps
+        steps = rs.steps
+        if self.fused is not None and whole and steps.count(steps[0]) == len(steps):
+            self.fused(rs.param, rs.remainder, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper)
+            rs.steps = [steps[0] + 1] * len(steps)
+            return
+        master, m, v = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load()
         if whole and steps.count(steps[0]) == len(steps):
             _adam(master, rs.grad, m, v, steps[0] + 1, hyper)
             rs.steps = [steps[0] + 1] * len(steps)

@@ -1,0 +1,251 @@
+"""What each optimizer update costs, against the memory bandwidth, and how far each narrow state drifts.
+
+Two parts, both on this machine's CPU with one thread per rank:
+
+1. **Speed**: ``step()`` of every fxzero precision mode, of ``torch.optim.AdamW`` (foreach and fused)
+   and of torchao's ``AdamW8bit`` / ``AdamWFp8`` over one bias-free MLP (5.2M params), with gradients
+   from a real backward, in paired rounds (every mode once a round, the order alternating; medians).
+   Each row gives the achieved bandwidth (the bytes a single fused pass must read and write per param,
+   its *bound bytes*, over the time) and the time over the bound (bound bytes / ``torch.add_``'s
+   bandwidth, measured in the same rounds). World 1 in this process, world 2 on 2 gloo ranks
+   (``step()`` then includes the gradient reduce-scatter and the param all-gather).
+2. **Drift**: the loss and the params of fp8 and bf16 state (fxzero) and of torchao's 8-bit AdamWs
+   after 100 and 300 steps, against ``torch.optim.AdamW`` with fp32 state from the same init and
+   batches, on two models (a bias-free MLP 128-512-512-128 on a teacher's targets; a 2-layer byte
+   GPT), at lr 1e-3 and 3e-4. The param distance is ``|p - p_fp32| / |p_fp32 - p_init|`` (L2 over
+   all params): the drift relative to the update itself.
+
+    python benchmarks/update.py                  # both parts (~15 min on 2 cores)
+    python benchmarks/update.py --skip-drift --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples"))
+from train_gpt import ModelArgs, Transformer, load_bytes  # noqa: E402
+
+import fxzero  # noqa: E402
+from fxzero.testing import close_pools, run_ranks  # noqa: E402
+
+_FP8_M, _FP8_V = 1 + 1 / 32, 1 + 2 / 32
+_AO_8BIT = 1 + 4 / 256
+SPEED_MODES: dict[str, tuple[str, torch.dtype, dict[str, Any], float]] = {
+    # label: (who steps, param dtype, options, bound bytes per param: grad read + param/master/state read and written)
+    "torch AdamW foreach=True (fp32)": ("torch", torch.float32, {"foreach": True}, 4 + 3 * 8),
+    "torch AdamW fused=True (fp32)": ("torch", torch.float32, {"fused": True}, 4 + 3 * 8),
+    "fxzero fp32 state, fp32 params": ("fxzero", torch.float32, {}, 4 + 3 * 8),
+    "fxzero fp32 state, fp32 params, fused=True": ("fxzero", torch.float32, {"fused": True}, 4 + 3 * 8),
+    "fxzero fp32 state, bf16 params + fp32 masters": ("fxzero", torch.bfloat16, {}, 4 + 3 * 8 + 2),
+    "fxzero bf16 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16"}, 4 + 8 + 2 * 4),
+    "fxzero fp8 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8"}, 4 + 8 + 2 * (_FP8_M + _FP8_V)),
+    "fxzero bf16 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16", "compiled_update": True}, 4 + 8 + 2 * 4),
+    "fxzero fp8 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8", "compiled_update": True},
+                                          4 + 8 + 2 * (_FP8_M + _FP8_V)),
+    "fxzero remainders": ("fxzero", torch.bfloat16, {"param_remainders": True}, 4 + 4 + 4 + 16),
+    "fxzero stochastic rounding": ("fxzero", torch.bfloat16, {"param_rounding": "stochastic"}, 4 + 3 * 8 + 2),
+    "torchao AdamW8bit": ("AdamW8bit", torch.float32, {}, 4 + 8 + 4 * _AO_8BIT),
+    "torchao AdamWFp8": ("AdamWFp8", torch.float32, {}, 4 + 8 + 4 * _AO_8BIT),
+}
+_FXZERO_OPTIONS = ("compiled_update", "optimizer_state_dtype", "param_remainders", "param_rounding", "exp_avg_dtype", "exp_avg_sq_dtype")
+
+
+def _speed_model(dtype: torch.dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(1024, 2048, bias=False), torch.nn.GELU(), torch.nn.Linear(2048, 1024, bias=False),
+                               torch.nn.GELU(), torch.nn.Linear(1024, 1024, bias=False)).to(dtype)  # fmt: skip
+
+
+def _optimizer(who: str, model: torch.nn.Module, options: dict[str, Any], lr: float) -> torch.optim.Optimizer:
+    if who == "torch":
+        return torch.optim.AdamW(model.parameters(), lr=lr, **options)
+    if who == "fxzero":
+        config = {k: v for k, v in options.items() if k in _FXZERO_OPTIONS}
+        flags = {k: v for k, v in options.items() if k not in _FXZERO_OPTIONS}
+        return fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, module=model,
+                                           config=fxzero.Config(bucket_size=None, **config), **flags)  # fmt: skip
+    import torchao.optim
+
+    return getattr(torchao.optim, who)(model.parameters(), lr=lr)
+
+
+def _add_bandwidth() -> float:
+    """Bytes per second of ``a.add_(b)`` over 64 MiB operands (two reads and a write per element)."""
+    a, b = torch.ones(16 << 20), torch.ones(16 << 20)
+    a.add_(b)
+    start = time.perf_counter()
+    a.add_(b)
+    return 3 * a.nbytes / (time.perf_counter() - start)
+
+
+def _speed_rank(rounds: int, labels: list[str]) -> dict[str, Any]:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    setups = {}
+    for label in labels:
+        who, dtype, options, _ = SPEED_MODES[label]
+        if who != "fxzero" and world > 1:
+            continue
+        model = _speed_model(dtype)
+        setups[label] = (model, _optimizer(who, model, options, 1e-4))
+    x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(rank))
+    times: dict[str, list[float]] = {label: [] for label in setups}
+    bandwidth = []
+    for r in range(rounds + 1):  # round 0 warms up (torchao compiles its step there)
+        order = list(setups) if r % 2 == 0 else list(reversed(setups))
+        for label in order:
+            model, opt = setups[label]
+            model(x.to(next(model.parameters()).dtype)).float().square().mean().backward()
+            if world > 1:
+                dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            if r:
+                times[label].append(time.perf_counter() - start)
+            opt.zero_grad()
+        bandwidth.append(_add_bandwidth())
+    params = sum(p.numel() for p in _speed_model(torch.float32).parameters())
+    fused = [opt.runtime.local.fused for _, opt in setups.values() if getattr(getattr(opt, "runtime", None), "local", None) is not None
+             and getattr(opt.runtime.local, "fused", None) is not None]  # fmt: skip
+    return {"compile_s": fused[0].compile_seconds if fused else 0.0, "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "bandwidth": statistics.median(bandwidth), "params": params}
+
+
+def _speed_rows(result: dict[str, Any], world: int) -> list[list[str]]:
+    rows, bw, n = [], result["bandwidth"], result["params"] / world
+    fused = result["ms"].get("torch AdamW fused=True (fp32)")
+    for label, ms in result["ms"].items():
+        bound_bytes = SPEED_MODES[label][3] * n
+        rows.append([label, f"{ms:.1f}", f"{bound_bytes / ms / 1e6:.2f}", f"{ms / (1e3 * bound_bytes / bw):.1f}",
+                     f"{ms / fused:.2f}" if fused else "-"])  # fmt: skip
+    return rows
+
+
+# ---- drift -------------------------------------------------------------------------------------
+DRIFT_RUNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "torchao AdamW8bit": ("AdamW8bit", {}),
+    "torchao AdamWFp8": ("AdamWFp8", {}),
+    "fxzero bf16 state": ("fxzero", {"optimizer_state_dtype": "bf16"}),
+    "fxzero fp8 state": ("fxzero", {"optimizer_state_dtype": "fp8"}),
+}
+
+
+def _mlp() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(128, 512, bias=False), torch.nn.GELU(), torch.nn.Linear(512, 512, bias=False),
+                               torch.nn.GELU(), torch.nn.Linear(512, 128, bias=False))  # fmt: skip
+
+
+def _mlp_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(1000 + step))
+    teacher = torch.randn(128, 128, generator=torch.Generator().manual_seed(123)) / 128**0.5
+    return torch.nn.functional.mse_loss(model(x), torch.tanh(x @ teacher))
+
+
+def _gpt() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return Transformer(ModelArgs(vocab_size=256, block_size=64, dim=128, n_layer=2, n_head=4))
+
+
+_DATA: list[torch.Tensor] = []
+
+
+def _gpt_loss(model: torch.nn.Module, step: int) -> torch.Tensor:
+    if not _DATA:
+        _DATA.append(torch.frombuffer(bytearray(load_bytes(None)), dtype=torch.uint8).long())
+    data = _DATA[0]
+    starts = torch.randint(0, data.numel() - 65, (16,), generator=torch.Generator().manual_seed(step)).tolist()
+    windows = torch.stack([data[i : i + 65] for i in starts])
+    return model(windows[:, :-1], windows[:, 1:])
+
+
+MODELS: dict[str, tuple[Callable[[], torch.nn.Module], Callable[[torch.nn.Module, int], torch.Tensor]]] = {
+    "MLP 128-512-512-128": (_mlp, _mlp_loss),
+    "GPT 2x128": (_gpt, _gpt_loss),
+}
+
+
+def _train(model_name: str, who: str, options: dict[str, Any], lr: float, checkpoints: tuple[int, ...]) -> dict[int, tuple[float, list]]:
+    build, loss_of = MODELS[model_name]
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr) if who == "torch" else _optimizer(who, model, options, lr)
+    seen = {}
+    for step in range(1, max(checkpoints) + 1):
+        loss = loss_of(model, step)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step in checkpoints:
+            seen[step] = (loss.item(), [p.detach().clone() for p in model.parameters()])
+    return seen
+
+
+def _distance(a: list, b: list, start: list) -> float:
+    moved = math.sqrt(sum(float((x - s).square().sum()) for x, s in zip(b, start)))
+    return math.sqrt(sum(float((x - y).square().sum()) for x, y in zip(a, b))) / moved
+
+
+def _drift(checkpoints: tuple[int, ...], lrs: tuple[float, ...]) -> list[list[str]]:
+    rows = []
+    for model_name, (build, _) in MODELS.items():
+        start = [p.detach().clone() for p in build().parameters()]
+        for lr in lrs:
+            ref = _train(model_name, "torch", {}, lr, checkpoints)
+            runs = {label: _train(model_name, who, options, lr, checkpoints) for label, (who, options) in DRIFT_RUNS.items()}
+            for step in checkpoints:
+                ref_loss, ref_params = ref[step]
+                row = [model_name, f"{lr:g}", str(step), f"{ref_loss:.4f}"]
+                for label in DRIFT_RUNS:
+                    loss, params = runs[label][step]
+                    row.append(f"{loss:.4f} ({loss / ref_loss - 1:+.1%}), {_distance(params, ref_params, start):.3f}")
+                rows.append(row)
+            print(f"  drift {model_name} lr {lr:g} done", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--skip-speed", action="store_true")
+    parser.add_argument("--skip-world-2", action="store_true")
+    parser.add_argument("--skip-drift", action="store_true")
+    parser.add_argument("--steps", default="100,300", help="drift checkpoints")
+    args = parser.parse_args()
+    from tabulate import tabulate
+
+    torch.set_num_threads(1)
+    print(f"# optimizer update: torch {torch.__version__}, 1 thread per rank, {time.strftime('%Y-%m-%d')}\n")
+    headers = ["update", "step() ms", "achieved GB/s", "x its bound", "x torch fused"]
+    if not args.skip_speed:
+        started = time.perf_counter()
+        one = _speed_rank(args.rounds, list(SPEED_MODES))
+        print(f"World 1, {one['params'] / 1e6:.2f}M params, torch.add_ {one['bandwidth'] / 1e9:.1f} GB/s in the same rounds, "
+              f"median of {args.rounds} paired rounds ({time.perf_counter() - started:.0f} s; compiled_update's Inductor compiles "
+              f"{one['compile_s']:.0f} s, once, in round 0):\n")  # fmt: skip
+        print(tabulate(_speed_rows(one, 1), headers=headers, tablefmt="github"), flush=True)
+    if not args.skip_speed and not args.skip_world_2:
+        two = run_ranks(2, _speed_rank, args.rounds, list(SPEED_MODES), timeout=3600)[0]
+        close_pools()
+        print(f"\nWorld 2 (gloo; step() includes the reduce-scatter and all-gather; rank 0's times), torch.add_ "
+              f"{two['bandwidth'] / 1e9:.1f} GB/s; bound bytes are the rank's half:\n")  # fmt: skip
+        print(tabulate(_speed_rows(two, 2), headers=headers, tablefmt="github"), flush=True)
+    if not args.skip_drift:
+        checkpoints = tuple(int(s) for s in args.steps.split(","))
+        rows = _drift(checkpoints, (1e-3, 3e-4))
+        print("\nDrift against torch.optim.AdamW with fp32 state (loss (its difference), param distance / the fp32 run's update):\n")
+        print(tabulate(rows, headers=["model", "lr", "step", "fp32 loss", *DRIFT_RUNS], tablefmt="github"))
+
+
+if __name__ == "__main__":
+    main()
