@@ -86,7 +86,7 @@ def test_cli_errors_name_the_bad_argument(tmp_path: Path, capsys: pytest.Capture
     )
     assert f"{target} has no function 'build'" in _error([f"{target}:build"], capsys)
     assert _error([f"{target}:not_a_pair"], capsys).endswith(
-        "not_a_pair() must return (model, example_inputs) or (model, example_inputs, optimizer), got Linear"
+        "not_a_pair() must return (model, example_inputs[, optimizer[, loss_fn]]), got Linear"
     )
     assert _error([f"{target}:not_a_model"], capsys).endswith(
         "not_a_model() returned a model of type str; expected a torch.nn.Module"

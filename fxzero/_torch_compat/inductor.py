@@ -18,6 +18,7 @@ __all__ = [
     "aot_autograd",
     "inductor_compile_context",
     "inductor_decompositions",
+    "inductor_eager_random",
     "inductor_partition",
     "inductor_post_grad_pass",
     "inductor_pre_grad_passes",
@@ -79,6 +80,23 @@ def inductor_compile_context(example_inputs: Sequence[Any]) -> Iterator[None]:
         stack.enter_context(torch._guards.tracing(tracing_context))
         stack.enter_context(compiled_autograd._disable())
         stack.enter_context(functorch_config.patch(**patch))
+        yield
+
+
+@contextlib.contextmanager
+def inductor_eager_random(on: bool = True) -> Iterator[None]:
+    """Inductor compiles random ops as eager's aten calls in program order, drawing eager's
+    values from the default generator (``torch._inductor.config.fallback_random``), while
+    ``on``. What for: ``fxzero parity`` compares a model with dropout against an eager
+    reference that draws each rank's masks; Inductor's own random kernels draw other
+    values. Read at compile time: the compile must happen inside. If torch drops the flag,
+    the parity check of random models under Inductor needs the reference compiled instead."""
+    if not on:
+        yield
+        return
+    from torch._inductor import config
+
+    with config.patch(fallback_random=True):
         yield
 
 
