@@ -47,6 +47,7 @@ from .help_text import plain_text
 from .version import __version__
 from .parity_check import cli as parity_cli
 from .target import TargetError, load_target
+from .explainer.data import write_json
 from .explainer.timeline import PlottingMissing
 
 __all__ = ["main"]
@@ -180,7 +181,48 @@ def _explain_parser(commands: Any) -> None:
     explain.add_argument(
         "--dump-dir", default=None, help="also write every graph before/after each pass, diffs and summary.json here"
     )
+    _size_flags(explain)
     _traceback_flag(explain)
+
+
+def _size_flags(explain: argparse.ArgumentParser) -> None:
+    size = explain.add_argument_group("sizing a run (--size: nothing compiles; the model may be on the meta device)")
+    size.add_argument("--size", action="store_true",
+                      help="print the bytes per rank (params, grads, optimizer state, masters, scratch) and per collective "
+                           "for --world-size data-parallel ranks, instead of compiling")  # fmt: skip
+    size.add_argument("--tp", type=_whole("--tp"), default=1, help="tensor-parallel ranks per data-parallel rank (default 1)")
+    size.add_argument("--instances", type=_whole("--instances"), default=1,
+                      help="optimizer instances the data-parallel ranks form (default 1)")  # fmt: skip
+    size.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "fp8"), default="fp32", help="Config.optimizer_state_dtype")
+    size.add_argument("--param-remainders", action="store_true", help="Config.param_remainders (bf16 params)")
+    size.add_argument("--states-per-element", type=int, default=2, help="the wrapped optimizer's states (AdamW 2, default)")
+    size.add_argument("--bandwidth", type=_tolerance("--bandwidth"), default=None, metavar="GB/s",
+                      help="per-link bandwidth: adds each collective's time from Inductor's NCCL model")  # fmt: skip
+
+
+def _size(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    from .explainer.sizing import size_run
+
+    factory = load_target(args.target, _DEFAULT_FUNCTION, _RETURNS)
+    result = factory()
+    model = result if isinstance(result, torch.nn.Module) else unpack(result, getattr(factory, "__name__", args.target)).model
+    config = Config(bucket_size="auto" if args.bucket_size is None else None if args.bucket_size == "none" else args.bucket_size,
+                    pad_for_high_busbw=args.pad_for_high_busbw, optimizer_state_dtype=args.optimizer_state_dtype,
+                    param_remainders=args.param_remainders)  # fmt: skip
+    try:
+        report = size_run(model, args.world_size or 1, tp=args.tp, instances=args.instances, config=config,
+                          states_per_element=args.states_per_element, bandwidth_gbps=args.bandwidth)  # fmt: skip
+    except ValueError as error:
+        parser.error(str(error))
+    if args.json is not None:
+        write_json({"schema": SIZE_SCHEMA, "size": report.as_data()}, args.json)
+    return report.text()
+
+
+SIZE_SCHEMA = 1
+"""``--size --json``: ``{"schema": 1, "size": {model, params, dp, tp, instances, buffer_elements, buckets,
+param_bytes, grad_bytes, state_bytes, master_bytes, scratch_bytes, total_bytes, bytes_per_param,
+collectives: [{op, count, bytes, ring_bytes_per_rank, ms}]}}``."""
 
 
 def _traceback_flag(command: argparse.ArgumentParser) -> None:
@@ -285,7 +327,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "parity":
         return parity_cli.run(args, parser)
     try:
-        text = _explain(args, parser)
+        text = _size(args, parser) if args.size else _explain(args, parser)
     except (TargetError, PlottingMissing) as error:
         parser.error(str(error))
     except Exception as error:  # noqa: BLE001 - one message, not a traceback per rank
