@@ -44,7 +44,7 @@ def _conditions(data: dict[str, Any], date: str) -> str:
     names = data["collectives"]
     ops = f"reduction {names['reduction']}, gather {names['gather']}; " if names["reduction"] else ""
     return (
-        f"world size {c['world_size']} ({group}); bucket size {size}; {len(data['buckets'])} buckets; "
+        f"world size {c['world_size']} ({group}); bucket size {size}; {len(data['buckets'])} bucket{'s' * (len(data['buckets']) != 1)}; "
         f"overlap_param_gather {'on' if c['overlap_param_gather'] else 'off'}\n{ops}inner compiler {c['inner_compiler']}; "
         f"fxzero {c['fxzero']}, torch {c['torch']}; {date}"
     )
