@@ -54,17 +54,16 @@ def parity(
     compare (``print(report)``; ``report.verdict`` is ``"PASS"``, ``"FAIL"`` or
     ``"NOT COMPARABLE"``).
 
-    Args:
-        model: the module to check (on the CPU); not changed.
-        batch_fn: ``batch_fn(step)`` returns the *global* batch of ``step``: a tuple of
-            tensors (positional arguments), one tensor, or a dict (keyword arguments, e.g.
-            ``{"input_ids": ids, "labels": ids}``); rank r takes slice r of ``world_size``
-            equal slices along dim 0.
-        optimizer_factory: builds the plain ``torch.optim`` optimizer to wrap from the
-            params (default AdamW, lr 1e-3).
-        loss_fn: ``loss_fn(output)`` is the training loss (a mean over the batch). Without
-            it: a scalar output, a ``ModelOutput``'s or dict's ``loss``; else the mean of
-            squares of the output's logits or first tensor (a stand-in loss).
+    :param model: the module to check (on the CPU); not changed.
+    :param batch_fn: ``batch_fn(step)`` returns the *global* batch of ``step``: a tuple of
+        tensors (positional arguments), one tensor, or a dict (keyword arguments, e.g.
+        ``{"input_ids": ids, "labels": ids}``); rank r takes slice r of ``world_size``
+        equal slices along dim 0.
+    :param optimizer_factory: builds the plain ``torch.optim`` optimizer to wrap from the
+        params (default AdamW, lr 1e-3).
+    :param loss_fn: ``loss_fn(output)`` is the training loss (a mean over the batch). Without
+        it: a scalar output, a ``ModelOutput``'s or dict's ``loss``; else the mean of
+        squares of the output's logits or first tensor (a stand-in loss).
 
     A model with random ops (dropout) is compared exactly: each rank seeds its generator,
     the reference runs each rank's slice with that rank's generator, and Inductor compiles
@@ -81,12 +80,10 @@ def parity(
     module level; in a script, under ``if __name__ == "__main__":``).
     ``python -m fxzero parity TARGET`` has no such need: its ranks call TARGET's function.
 
-    Returns:
-        a :class:`ParityReport`.
-
-    Raises:
-        ParityError: bad options, a batch that does not split evenly, a model that does
-            not pickle; ``fxzero.testing.RankError`` when fxzero raised on a rank.
+    :returns: a :class:`ParityReport`.
+    :raises ParityError: bad options, a batch that does not split evenly, a model that does
+        not pickle.
+    :raises fxzero.testing.RankError: fxzero raised on a rank.
 
     Example::
 

@@ -137,20 +137,29 @@ class ParityReport:
     """What :func:`fxzero.parity` found; ``str(report)`` is the printed report."""
 
     setup: Setup
+    """What ran: the model's class, its params, the options, the optimizer, the buckets."""
     reference_losses: tuple[float, ...]
+    """The eager reference's loss at each step (the mean of the slices' when the model draws random numbers)."""
     fxzero_losses: tuple[float, ...]
     """Mean over ranks of each rank's loss on its slice."""
     floor_losses: tuple[float, ...]
+    """The noise floor's loss at each step (the reference computed a second, mathematically identical way)."""
     params: tuple[ParamResult, ...]
+    """Per param, its difference after each step; those over the tolerance first: ``params[0].name`` is where to look."""
     loss_tolerance: Tolerance
+    """The largest allowed loss difference and how it was chosen (10x the floor, a few ulps, or given)."""
     param_tolerance: Tolerance
+    """The same for params."""
     overlap: Agreement
     """fxzero with ``overlap_param_gather=False`` vs ``True``: must be bitwise identical."""
     ranks: Agreement
+    """Every rank ends with rank 0's params, bitwise."""
     not_comparable: tuple[str, ...]
     """Why a global-batch reference cannot match (empty: it can)."""
     skipped_steps: tuple[int, ...]
+    """Steps (1-based) whose update fxzero skipped (non-finite gradient norm)."""
     seconds: float
+    """Wall time of the whole check."""
     trained: bool = True
     """False when :attr:`not_comparable` was found before training: nothing was trained or compared."""
 
