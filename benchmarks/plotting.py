@@ -1,6 +1,6 @@
 """What the benchmarks' charts share, and the main job's loss curve.
 
-    python benchmarks/plotting.py loss METRICS.jsonl [-o benchmarks/results/loss_curve.png]
+    python benchmarks/plotting.py loss METRICS.jsonl [-o FILE.png]   # default: a new METRICS-loss.png
 
 matplotlib is optional (``pip install -e .[bench]``) and imported only to draw. Every chart
 carries a title, its conditions (machine, world, model, date: a chart without them cannot
@@ -113,9 +113,20 @@ def main(argv: Optional[list[str]] = None) -> None:
     sub = p.add_subparsers(dest="chart", required=True)
     loss = sub.add_parser("loss", help="the loss curve of a train_gpt.py --metrics file")
     loss.add_argument("metrics", help="the JSON-lines file train_gpt.py --metrics wrote")
-    loss.add_argument("-o", "--out", default=str(RESULTS / "loss_curve.png"), help="the PNG to write")
+    loss.add_argument("-o", "--out", default=None,
+                      help="the PNG to write (default: a new file beside METRICS, METRICS-loss.png, then -loss-2.png, ...; "
+                           "the committed benchmarks/results/loss_curve.png only when named)")  # fmt: skip
     args = p.parse_args(argv)
-    plot_loss(args.metrics, args.out)
+    plot_loss(args.metrics, args.out or str(new_file(Path(args.metrics))))
+
+
+def new_file(metrics: Path) -> Path:
+    """A PNG path beside ``metrics`` that does not exist yet: a plot never overwrites one unless named."""
+    for n in range(1, 10_000):
+        out = metrics.with_name(f"{metrics.stem}-loss{'' if n == 1 else f'-{n}'}.png")
+        if not out.exists():
+            return out
+    raise FileExistsError(f"plotting: {metrics.stem}-loss-*.png: 9,999 files exist; name one with -o")
 
 
 if __name__ == "__main__":

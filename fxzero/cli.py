@@ -9,9 +9,12 @@ should take one command, not a script. TARGET names a function that builds what 
     fxzero explain examples/explain_mlp.py:build --world-size 8 --json layout.json --timeline timeline.png
 
 ``path/to/file.py[:function]`` or ``package.module[:function]``; the function (default
-``fxzero_explain``) takes no arguments and returns ``(model, example_inputs)`` or
-``(model, example_inputs, optimizer)``. ``example_inputs`` is a tuple of positional
-arguments (a lone tensor is one argument). Without an optimizer the command makes a
+``fxzero_explain``) takes no arguments and returns ``(model, example_inputs)``,
+``(model, example_inputs, optimizer)`` or ``(model, example_inputs, optimizer, loss_fn)``
+(optimizer may be None). ``example_inputs`` is a tuple of positional arguments (a lone
+tensor is one argument) or a dict of keyword arguments (``{"input_ids": ids}``). The
+backward starts from the model's output: a tensor, a ``ModelOutput``'s loss (else its
+logits), a dict's or a tuple's first tensor, or ``loss_fn(output)``. Without an optimizer the command makes a
 ``DistributedOptimizer`` (SGD; the wrapped optimizer does not change the layout) with
 ``--bucket-size`` / ``--pad-for-high-busbw`` / ``--overlap-param-gather`` (without it the
 step finishes every all-gather and the forward graphs carry no wait).
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import sys
 from typing import Any, Callable, Iterator, Optional, Sequence, Union
 
@@ -43,30 +47,47 @@ from .help_text import plain_text
 from .version import __version__
 from .parity_check import cli as parity_cli
 from .target import TargetError, load_target
+from .explainer.data import write_json
 from .explainer.timeline import PlottingMissing
 
 __all__ = ["main"]
 
 _DEFAULT_FUNCTION = "fxzero_explain"
+_RETURNS = "(model, example_inputs[, optimizer[, loss_fn]])"
 
 
-def unpack(result: Any, name: str) -> tuple[torch.nn.Module, tuple[Any, ...], Optional[Any]]:
+@dataclasses.dataclass(frozen=True)
+class Explainee:
+    """What TARGET's function returned, in the parts :func:`fxzero.explain` takes."""
+
+    model: torch.nn.Module
+    inputs: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    optimizer: Optional[Any]
+    loss_fn: Optional[Callable[[Any], Any]]
+
+
+def unpack(result: Any, name: str) -> Explainee:
     """Split a factory's return value, naming what is wrong with it."""
-    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
-        raise TargetError(
-            f"{name}() must return (model, example_inputs) or (model, example_inputs, optimizer), got {type(result).__name__}"
-        )
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3, 4):
+        raise TargetError(f"{name}() must return {_RETURNS}, got {type(result).__name__}")
     model, inputs = result[0], result[1]
-    optimizer = result[2] if len(result) == 3 else None
+    optimizer = result[2] if len(result) >= 3 else None
+    loss_fn = result[3] if len(result) == 4 else None
+    if loss_fn is not None and not callable(loss_fn):
+        raise TargetError(f"{name}() returned loss_fn of type {type(loss_fn).__name__}; expected loss_fn(output)")
     if not isinstance(model, torch.nn.Module):
         raise TargetError(f"{name}() returned a model of type {type(model).__name__}; expected a torch.nn.Module")
     if isinstance(inputs, torch.Tensor):
         inputs = (inputs,)
+    if isinstance(inputs, dict):  # keyword arguments: input_ids=..., labels=... of a Hugging Face model
+        return Explainee(model, (), dict(inputs), optimizer, loss_fn)
     if not isinstance(inputs, (tuple, list)):
         raise TargetError(
-            f"{name}() returned example_inputs of type {type(inputs).__name__}; expected a tuple of arguments or a tensor"
+            f"{name}() returned example_inputs of type {type(inputs).__name__}; expected a tuple of arguments, "
+            "a dict of keyword arguments or a tensor"
         )
-    return model, tuple(inputs), optimizer
+    return Explainee(model, tuple(inputs), {}, optimizer, loss_fn)
 
 
 def _bucket_size(text: str) -> Union[int, str]:
@@ -160,6 +181,67 @@ def _explain_parser(commands: Any) -> None:
     explain.add_argument(
         "--dump-dir", default=None, help="also write every graph before/after each pass, diffs and summary.json here"
     )
+    _size_flags(explain)
+    _traceback_flag(explain)
+
+
+def _size_flags(explain: argparse.ArgumentParser) -> None:
+    size = explain.add_argument_group("sizing a run (--size: nothing compiles; the model may be on the meta device)")
+    size.add_argument("--size", action="store_true",
+                      help="print the bytes per rank (params, grads, optimizer state, masters, scratch) and per collective "
+                           "for --world-size data-parallel ranks, instead of compiling")  # fmt: skip
+    size.add_argument("--tp", type=_whole("--tp"), default=1, help="tensor-parallel ranks per data-parallel rank (default 1)")
+    size.add_argument("--instances", type=_whole("--instances"), default=1,
+                      help="optimizer instances the data-parallel ranks form (default 1)")  # fmt: skip
+    size.add_argument("--optimizer-state-dtype", choices=("fp32", "bf16", "fp8"), default="fp32", help="Config.optimizer_state_dtype")
+    size.add_argument("--param-remainders", action="store_true", help="Config.param_remainders (bf16 params)")
+    size.add_argument("--states-per-element", type=int, default=2, help="the wrapped optimizer's states (AdamW 2, default)")
+    size.add_argument("--bandwidth", type=_tolerance("--bandwidth"), default=None, metavar="GB/s",
+                      help="per-link bandwidth: adds each collective's time from Inductor's NCCL model")  # fmt: skip
+
+
+def _size(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    from .explainer.sizing import size_run
+
+    factory = load_target(args.target, _DEFAULT_FUNCTION, _RETURNS)
+    result = factory()
+    model = result if isinstance(result, torch.nn.Module) else unpack(result, getattr(factory, "__name__", args.target)).model
+    config = Config(bucket_size="auto" if args.bucket_size is None else None if args.bucket_size == "none" else args.bucket_size,
+                    pad_for_high_busbw=args.pad_for_high_busbw, optimizer_state_dtype=args.optimizer_state_dtype,
+                    param_remainders=args.param_remainders)  # fmt: skip
+    try:
+        report = size_run(model, args.world_size or 1, tp=args.tp, instances=args.instances, config=config,
+                          states_per_element=args.states_per_element, bandwidth_gbps=args.bandwidth)  # fmt: skip
+    except ValueError as error:
+        parser.error(str(error))
+    if args.json is not None:
+        write_json({"schema": SIZE_SCHEMA, "size": report.as_data()}, args.json)
+    return report.text()
+
+
+SIZE_SCHEMA = 1
+"""``--size --json``: ``{"schema": 1, "size": {model, params, dp, tp, instances, buffer_elements, buckets,
+param_bytes, grad_bytes, state_bytes, master_bytes, scratch_bytes, total_bytes, bytes_per_param,
+collectives: [{op, count, bytes, ring_bytes_per_rank, ms}]}}``."""
+
+
+def _traceback_flag(command: argparse.ArgumentParser) -> None:
+    command.add_argument(
+        "--traceback", action="store_true", help="on an error, print the whole traceback instead of one message"
+    )
+
+
+MESSAGE_LINES = 6
+"""Lines of an error's message printed: Dynamo's errors append pages of context."""
+
+
+def one_message(command: str, error: BaseException) -> str:
+    """An error as a few lines naming what failed and how to see where: tracebacks of a
+    compile run to hundreds of lines, and under a process group torch prefixes each with
+    ``[rank0]:``, burying the one line that says what is wrong."""
+    lines = [line for line in str(error).strip().splitlines() if line.strip()][:MESSAGE_LINES]
+    text = "\n  ".join(lines) or "(no message)"
+    return f"{command}: error: {type(error).__name__}: {text}\n(rerun with --traceback to see where it was raised)\n"
 
 
 def _parity_parser(commands: Any) -> None:
@@ -183,6 +265,7 @@ def _parity_parser(commands: Any) -> None:
     for flag in ("--atol-loss", "--atol-param"):
         parity.add_argument(flag, type=_tolerance(flag), default=None, help="default: 10x the noise floor")
     parity.add_argument("--timeout", type=_whole("--timeout"), default=600, help="seconds per rank run (default 600)")
+    _traceback_flag(parity)
 
 
 def _optimizer(model: torch.nn.Module, args: argparse.Namespace) -> Any:
@@ -214,8 +297,9 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     from .explainer import explain
 
     with _fake_group(args.world_size, parser):
-        factory = load_target(args.target, _DEFAULT_FUNCTION, "(model, example_inputs[, optimizer])")
-        model, inputs, optimizer = unpack(factory(), getattr(factory, "__name__", args.target))
+        factory = load_target(args.target, _DEFAULT_FUNCTION, _RETURNS)
+        target = unpack(factory(), getattr(factory, "__name__", args.target))
+        model, optimizer = target.model, target.optimizer
         if optimizer is None:
             optimizer = _optimizer(model, args)
         elif args.bucket_size is not None or args.pad_for_high_busbw or args.overlap_param_gather:
@@ -225,8 +309,10 @@ def _explain(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
             )
         return explain(
             model,
-            *inputs,
+            *target.inputs,
             optimizer=optimizer,
+            example_kwargs=target.kwargs,
+            loss_fn=target.loss_fn,
             inner_compiler=args.inner_compiler,
             full=args.full,
             json_file=args.json,
@@ -241,9 +327,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "parity":
         return parity_cli.run(args, parser)
     try:
-        text = _explain(args, parser)
+        text = _size(args, parser) if args.size else _explain(args, parser)
     except (TargetError, PlottingMissing) as error:
         parser.error(str(error))
+    except Exception as error:  # noqa: BLE001 - one message, not a traceback per rank
+        if args.traceback:
+            raise
+        sys.stderr.write(one_message("fxzero explain", error))
+        return 1
     sys.stdout.write(text)
     for path, what in ((args.json, "JSON"), (args.timeline, "timeline")):
         if path is not None:

@@ -59,6 +59,15 @@ def not_a_pair():
 def not_a_model():
     return "model", (torch.randn(1, 2),)
 
+class Raises(torch.nn.Linear):
+    def forward(self, x):
+        raise ValueError("my model's own error")
+
+
+def raises():
+    return Raises(2, 2), torch.randn(1, 2)
+
+
 def with_optimizer():
     model = torch.nn.Linear(2, 2)
     return model, (torch.randn(1, 2),), fxzero.DistributedOptimizer(model.parameters(), torch.optim.SGD, lr=0.1)
@@ -86,7 +95,7 @@ def test_cli_errors_name_the_bad_argument(tmp_path: Path, capsys: pytest.Capture
     )
     assert f"{target} has no function 'build'" in _error([f"{target}:build"], capsys)
     assert _error([f"{target}:not_a_pair"], capsys).endswith(
-        "not_a_pair() must return (model, example_inputs) or (model, example_inputs, optimizer), got Linear"
+        "not_a_pair() must return (model, example_inputs[, optimizer[, loss_fn]]), got Linear"
     )
     assert _error([f"{target}:not_a_model"], capsys).endswith(
         "not_a_model() returned a model of type str; expected a torch.nn.Module"
@@ -151,3 +160,14 @@ def test_timeline_without_matplotlib_is_refused_before_compiling(
     assert _error([str(target), "--timeline", str(tmp_path / "t.png")], capsys).endswith(
         "fxzero explain --timeline needs matplotlib: pip install 'fxzero[bench]'"
     )
+
+
+def test_an_error_in_the_model_is_one_message(tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch) -> None:
+    """Not a traceback (under a process group, one with ``[rank0]:`` before every line)."""
+    (tmp_path / "my_raising.py").write_text(_TARGETS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["explain", "my_raising:raises", "--inner-compiler", "eager", "--world-size", "2"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fxzero explain: error: ") and "my model's own error" in err
+    assert "Traceback" not in err and len(err.splitlines()) <= 8
+    assert "(rerun with --traceback to see where it was raised)" in err

@@ -70,3 +70,13 @@ def test_the_test_extra_builds_the_docs_with_the_docs_extras_pins() -> None:
     assert extras["docs"] and set(extras["docs"]) <= set(extras["test"])
     pinned = {Requirement(line).name for line in (ROOT / "constraints.txt").read_text().splitlines() if "==" in line}
     assert {Requirement(line).name for line in extras["docs"]} <= pinned
+
+
+def test_the_api_page_has_an_example_for_every_exported_name() -> None:
+    """Each name of ``fxzero.__all__`` is used in a ```python block of docs/api.md (they run:
+    ``tests/test_docs.py``), and the backend's options and the command line have sections."""
+    text = (DOCS / "api.md").read_text()
+    code = "\n".join(re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M))
+    missing = [name for name in fxzero.__all__ if name != "__version__" and f"fxzero.{name}" not in code]
+    assert missing == [], "give each name an example in docs/api.md"
+    assert "## The backend's options" in text and "## The command line" in text

@@ -374,7 +374,7 @@ def test_explain_and_the_cli_compile_with_inductor_by_default(monkeypatch: pytes
     from fxzero.cli import _parser
 
     seen = []
-    monkeypatch.setattr(explainer, "record", lambda model, inputs, opt, options: seen.append(options) or [])
+    monkeypatch.setattr(explainer, "record", lambda model, inputs, opt, options, *rest: seen.append(options) or [])
     model, opt = _mlp_and_optimizer()
     fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
     assert seen == [{"inner_compiler": "inductor"}]

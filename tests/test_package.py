@@ -119,7 +119,7 @@ LAYERS = (
     ("dump",),
     ("graph_compiler",),
     ("backend",),
-    ("checkpoint", "testing", "target", "hugging_face", "lightning"),
+    ("checkpoint", "testing", "target", "hugging_face", "lightning", "model_output"),
     ("explainer", "parity_check"),
     ("cli", "fxzero"),
     ("__main__",),

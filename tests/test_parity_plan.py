@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 
 import fxzero
-from fxzero.parity_check import plan
+from fxzero.parity_check import plan, probe
 from fxzero.parity_check.plan import OptimizerSpec, ParityError, ParityOptions, Tolerance
 from fxzero.parity_check.ranks import ModelSource
 from fxzero.parity_check.reference import Trace
@@ -51,8 +51,12 @@ def test_batches_split_along_dim0_into_rank_slices() -> None:
 
 def test_batch_fn_results_are_checked() -> None:
     assert plan.normalize_batch(torch.ones(2), 0)[0].shape == (2,)  # a lone tensor is one argument
-    with pytest.raises(ParityError, match=r"batch_fn\(3\) returned dict; expected a tuple of tensors"):
-        plan.normalize_batch({"x": torch.ones(2)}, 3)
+    with pytest.raises(ParityError, match=r"batch_fn\(3\) returned str; expected a tuple of tensors"):
+        plan.normalize_batch("x", 3)
+    keys = plan.batch_keys({"input_ids": 1, "labels": 2})  # a dict: the forward's keyword arguments
+    assert plan.normalize_batch({"input_ids": torch.ones(2), "labels": torch.zeros(2)}, 1, keys)[1].sum() == 0
+    with pytest.raises(ParityError, match=r"batch_fn\(3\) returned keys \['x'\]; batch_fn\(0\) returned \['input_ids', 'labels'\]"):
+        plan.normalize_batch({"x": torch.ones(2)}, 3, keys)
     with pytest.raises(ParityError, match=r"batch_fn\(0\)\[1\] is a 0-dim tensor; every item must be a tensor"):
         plan.normalize_batch((torch.ones(2), torch.tensor(1.0)), 0)
     with pytest.raises(ParityError, match=r"batch_fn\(0\)\[0\] is a int"):
@@ -121,22 +125,36 @@ def test_a_model_the_ranks_cannot_import_is_refused_up_front() -> None:
 
 
 # ---- what makes a model not comparable -------------------------------------------------------
-def test_batchnorm_and_dropout_in_train_mode_are_flagged() -> None:
+def test_batchnorm_in_train_mode_is_flagged_and_dropout_is_not() -> None:
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Dropout(0.1), nn.Dropout(0.0), nn.LazyBatchNorm1d())
-    assert plan.incomparable_modules(model) == (
-        "1 (BatchNorm2d in train mode): per-rank batch statistics",
-        "2 (Dropout, p=0.1, in train mode): random masks differ per rank",
-        "4 (LazyBatchNorm1d in train mode): per-rank batch statistics",
-    )
+    flagged = plan.incomparable_modules(model)
+    assert [reason.split(":")[0] for reason in flagged] == ["1 (BatchNorm2d in train mode)", "4 (LazyBatchNorm1d in train mode)"]
+    assert all("Fix: check the model with it in eval mode, or GroupNorm / LayerNorm" in reason for reason in flagged)
     assert plan.incomparable_modules(model.eval()) == ()
 
 
-def test_a_loss_that_is_not_a_batch_mean_is_flagged() -> None:
-    assert plan.loss_dependence(4.0000001, 4.0, 2, torch.float32) == ()
-    assert plan.loss_dependence(8.0, 4.0, 2, torch.float32)[0].startswith(
-        "step 1 loss on the global batch 8 != mean of its 2 slices' losses 4"
-    )
-    assert plan.loss_dependence(8.0, 4.0, 1, torch.float32) == ()  # no slices, nothing to compare
+class _Summed(nn.Module):
+    """A loss summed over the batch, and dropout (eval mode for the mixing check)."""
+
+    def __init__(self, reduction: str) -> None:
+        super().__init__()
+        self.fc, self.drop, self.reduction = nn.Linear(4, 2), nn.Dropout(0.5), reduction
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.drop(self.fc(x)), torch.zeros(x.shape[0], 2), reduction=self.reduction)
+
+
+def test_random_ops_and_a_summed_loss_are_found_before_training() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(8, 4)
+    for reduction, mixes in (("mean", False), ("sum", True)):
+        model = _Summed(reduction)
+        assert probe.has_random_ops(model, (x,), (), None)
+        assert probe.has_random_ops(model.eval(), (x,), (), None) is False
+        found = probe.batch_mixing(model.train(), (x,), 2, (), None, random=True)
+        assert bool(found) == mixes
+    assert found[0].startswith("before training (random ops off: eval mode), the loss on the global batch ")
+    assert probe.batch_mixing(model, (x,), 1, (), None, random=True) == ()  # no slices, nothing to compare
 
 
 # ---- tolerances ---------------------------------------------------------------------------
@@ -195,7 +213,7 @@ def test_verdicts_and_exit_codes() -> None:
     reason = "bn (BatchNorm1d in train mode): per-rank batch statistics"
     bn = _report(not_comparable=(reason,), fxzero_losses=(1.0, 2.0))
     assert (bn.verdict, bn.exit_code) == ("NOT COMPARABLE", 3)
-    assert "not comparable to a global-batch reference: bn (BatchNorm1d in train mode)" in str(bn)
+    assert "not comparable: bn (BatchNorm1d in train mode)" in str(bn)
     # fxzero disagreeing with itself is a bug whatever the model
     overlap = _report(not_comparable=bn.not_comparable, overlap=Agreement(False, "rank 1 loss at step 2: 1.0 vs 1.5"))
     assert (overlap.verdict, overlap.exit_code) == ("FAIL", 1)

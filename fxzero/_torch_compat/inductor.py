@@ -19,6 +19,8 @@ __all__ = [
     "inductor_compile",
     "inductor_compile_context",
     "inductor_decompositions",
+    "inductor_eager_random",
+    "nccl_collective_ms",
     "inductor_partition",
     "inductor_post_grad_pass",
     "inductor_pre_grad_passes",
@@ -90,6 +92,38 @@ def inductor_compile_context(example_inputs: Sequence[Any]) -> Iterator[None]:
         stack.enter_context(compiled_autograd._disable())
         stack.enter_context(functorch_config.patch(**patch))
         yield
+
+
+@contextlib.contextmanager
+def inductor_eager_random(on: bool = True) -> Iterator[None]:
+    """Inductor compiles random ops as eager's aten calls in program order, drawing eager's
+    values from the default generator (``torch._inductor.config.fallback_random``), while
+    ``on``. What for: ``fxzero parity`` compares a model with dropout against an eager
+    reference that draws each rank's masks; Inductor's own random kernels draw other
+    values. Read at compile time: the compile must happen inside. If torch drops the flag,
+    the parity check of random models under Inductor needs the reference compiled instead."""
+    if not on:
+        yield
+        return
+    from torch._inductor import config
+
+    with config.patch(fallback_random=True):
+        yield
+
+
+def nccl_collective_ms(nbytes: int, group_size: int, kind: str, bandwidth_gbps: float) -> float:
+    """Inductor's NCCL time model for one collective of ``nbytes`` over ``group_size`` ranks,
+    each link ``bandwidth_gbps`` GB/s (intra- and inter-node alike):
+    ``torch._inductor.comm_analysis.estimate_nccl_collective_runtime_impl`` under
+    ``torch._inductor.config.patch(intra_node_bw=..., inter_node_bw=...)``. What for: ``fxzero
+    explain --size`` predicts each collective's time without a GPU. If torch moves it: the same
+    function by its new name (it mirrors NCCL's ``ncclTopoTuneModel``)."""
+    from torch._inductor import comm_analysis, config
+
+    coll = {"reduce_scatter": comm_analysis.NCCL_COLL.REDUCE_SCATTER, "all_gather": comm_analysis.NCCL_COLL.ALL_GATHER,
+            "all_reduce": comm_analysis.NCCL_COLL.ALL_REDUCE}[kind]  # fmt: skip
+    with config.patch(intra_node_bw=float(bandwidth_gbps), inter_node_bw=float(bandwidth_gbps)):
+        return float(comm_analysis.estimate_nccl_collective_runtime_impl(nbytes, group_size, coll))
 
 
 def inductor_decompositions() -> dict[Any, Callable[..., Any]]:

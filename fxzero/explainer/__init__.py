@@ -17,7 +17,7 @@ adding every graph's marked code (:mod:`~fxzero.explainer.graphs`), a JSON file
 from __future__ import annotations
 
 import os
-from typing import Any, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
@@ -54,6 +54,8 @@ def explain(
     json_file: Union[PathLike, None] = None,
     timeline_file: Union[PathLike, None] = None,
     dump_dir: Union[PathLike, None] = None,
+    example_kwargs: Optional[dict[str, Any]] = None,
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None,
 ) -> str:
     """Compile ``model``, run one forward+backward under ``optimizer.no_sync()`` (no
     collective), and return the summary: the bucket table, where each graph launches each
@@ -66,7 +68,22 @@ def explain(
     PNG (needs matplotlib). ``inner_compiler`` defaults to ``"inductor"``, what a training
     run compiles with (its decompositions and partitioner make other graphs than
     ``"eager"``, which compiles several times faster). ``dump_dir`` also writes the graphs
-    before and after each pass there (as the backend's ``dump_dir`` option does)."""
+    before and after each pass there (as the backend's ``dump_dir`` option does).
+
+    ``example_kwargs`` are keyword arguments of the forward (``input_ids=...`` of a Hugging
+    Face model). The backward starts from the sum of what the forward returned: a tensor,
+    a ``ModelOutput``'s ``loss`` (else its ``logits``), a dict's ``"loss"`` / ``"logits"`` /
+    first tensor, a tuple's first tensor; ``loss_fn(output)`` replaces that choice.
+
+    Example::
+
+        report = fxzero.explain(model, x, optimizer=opt, inner_compiler="eager")
+        report = fxzero.explain(hf_model, optimizer=opt, example_kwargs={"input_ids": ids})
+
+    Raises ``TypeError`` for a model that is not a module or an optimizer that is not a
+    :class:`fxzero.DistributedOptimizer`, ``RuntimeError`` for an optimizer holding
+    gradients not yet stepped, and :class:`fxzero.model_output.OutputError` for an output
+    holding no tensor."""
     _check_arguments(model, optimizer, inner_compiler)
     if timeline_file is not None:  # before the compile: a missing matplotlib should not cost one
         from .timeline import matplotlib_parts
@@ -75,7 +92,7 @@ def explain(
     options: dict[str, Any] = {"inner_compiler": inner_compiler}
     if dump_dir is not None:
         options["dump_dir"] = dump_dir
-    graphs = record(model, example_inputs, optimizer, options)
+    graphs = record(model, example_inputs, optimizer, options, example_kwargs, loss_fn)
     explained = Explained(optimizer, graphs, param_names(model), type(model).__name__, inner_compiler)
     if json_file is not None or timeline_file is not None:
         data = as_data(explained)

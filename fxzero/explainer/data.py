@@ -14,6 +14,8 @@ Schema (``"schema": 2``; graphs are named by their ids, ``"0/0"``, since 2)::
                  where launches/handoffs/waits are [{bucket, node}] (node: position among the graph's nodes)
     collectives  {per_step: {c10d op: count}, reduction, gather, group_ranks,
                   model_own: [{graph, part, op, group, ranks, count}]}
+    exposed      [{bucket, graph, node, nodes, share, suggested_bucket_size}]: buckets whose
+                 reduction launches in the last 10% of the last backward to run (no overlap)
 """
 
 from __future__ import annotations
@@ -91,6 +93,7 @@ def as_data(explained: "Explained") -> dict[str, Any]:
         "buckets": [_bucket(f) for f in layout.bucket_facts(explained)],
         "graphs": _graphs(explained),
         "collectives": _collectives(explained),
+        "exposed": [dataclasses.asdict(e) for e in schedule.exposed(explained)],
     }
 
 

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..dump import GraphDumper, InsertedNode, inserted_nodes
+from ..model_output import LossFn, output_tensor
 from ..optim.layout.mesh import local_of
 
 __all__ = ["Graph", "Recorded", "param_names", "record"]
@@ -77,9 +78,18 @@ class _Recording:
         graph.parts[kind] = _snapshot(kind, gm)
 
 
-def record(model: torch.nn.Module, inputs: Sequence[Any], optimizer: Any, options: dict[str, Any]) -> list[Graph]:
+def record(
+    model: torch.nn.Module,
+    inputs: Sequence[Any],
+    optimizer: Any,
+    options: dict[str, Any],
+    kwargs: Optional[dict[str, Any]] = None,
+    loss_fn: Optional[LossFn] = None,
+) -> list[Graph]:
     """Compile ``model`` with the fxzero backend, run one forward+backward without
-    collectives, leave ``optimizer`` as it was, and return every graph as fxzero's passes left it."""
+    collectives, leave ``optimizer`` as it was, and return every graph as fxzero's passes left it.
+    The backward starts from the sum of :func:`~fxzero.model_output.output_tensor` (a
+    ``ModelOutput``'s loss or logits, a tuple's first tensor, or ``loss_fn(output)``)."""
     _refuse_pending_gradients(optimizer)
     recording = _Recording()
     # dynamic=False: shapes as a first compile sees them. Dynamo's shape profile is kept per
@@ -89,8 +99,8 @@ def record(model: torch.nn.Module, inputs: Sequence[Any], optimizer: Any, option
     with optimizer.runtime.ledger.kept():
         try:
             with optimizer.no_sync():
-                out = compiled(*inputs)
-                (out[0] if isinstance(out, (tuple, list)) else out).sum().backward()
+                out = compiled(*inputs, **(kwargs or {}))
+                output_tensor(out, loss_fn, "fxzero.explain").sum().backward()
         finally:
             optimizer.zero_grad()  # it held no gradient (refused otherwise): it holds none again
     return recording.graphs
@@ -116,8 +126,8 @@ def _own_frame(model: torch.nn.Module) -> Any:
     per code object, and with one shared by every explain, explains of other models or
     shapes would pile up on it until Dynamo's recompile limit."""
 
-    def run(*args: Any) -> Any:
-        return model(*args)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        return model(*args, **kwargs)
 
     return types.FunctionType(run.__code__.replace(), run.__globals__, run.__name__, run.__defaults__, run.__closure__)
 

@@ -81,3 +81,59 @@ def spanning(explained: "Explained") -> dict[int, list[str]]:
     """Buckets whose params are read by more than one compiled graph (graph breaks) -> graphs."""
     seen = {b.index: explained.graphs_of_bucket(b.index) for b in explained.optimizer.runtime.buckets}
     return {bucket: graphs for bucket, graphs in seen.items() if len(graphs) > 1}
+
+
+EXPOSED_FROM = 0.9
+"""A launch at or after this fraction of the last backward to run has nothing left to overlap."""
+EXPOSED_SHARE = 0.5
+"""Flag such a bucket only when it holds more than this share of the param elements: the last
+bucket to launch always overlaps little; it matters when it carries much of the traffic."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Exposed:
+    """A bucket whose gradient reduction launches where no backward compute is left to hide it."""
+
+    bucket: int
+    graph: str
+    node: int
+    nodes: int
+    share: float
+    """The bucket's fraction of all param elements."""
+    suggested_bucket_size: int
+
+    def describe(self, reduction: str) -> str:
+        return (
+            f"no overlap: bucket {self.bucket} ({100 * self.share:.0f}% of the param elements) launches its {reduction} "
+            f"at node {self.node} of {self.nodes} of graph {self.graph}'s backward, the last backward to run: nothing "
+            f"is left to overlap it. Fix: a smaller bucket, e.g. --bucket-size {self.suggested_bucket_size} "
+            f"(Config(bucket_size={self.suggested_bucket_size})), so the buckets of the last layers launch while the "
+            "first layers' backward still runs"
+        )
+
+
+def _last_backward(explained: "Explained") -> "tuple[str, PartSchedule] | None":
+    """Backward graphs run in the reverse of the forwards' order: the first graph's runs last."""
+    for planned in schedules(explained):
+        for part in planned.parts:
+            if part.kind == "backward":
+                return planned.id, part
+    return None
+
+
+def exposed(explained: "Explained") -> list[Exposed]:
+    """Buckets launched in the last :data:`EXPOSED_FROM` of the last backward, holding at
+    more than :data:`EXPOSED_SHARE` of the elements, with a bucket size that would split them in 4."""
+    last = _last_backward(explained)
+    buckets = explained.optimizer.runtime.buckets
+    total = sum(b.param_data.numel() for b in buckets) or 1
+    if last is None:
+        return []
+    graph, part = last
+    found = []
+    for event in part.of("launch"):
+        size = buckets[event.bucket].param_data.numel()
+        if event.node >= EXPOSED_FROM * part.nodes and size > EXPOSED_SHARE * total:
+            suggested = max(1, size // 4)
+            found.append(Exposed(event.bucket, graph, event.node, part.nodes, size / total, suggested))
+    return found

@@ -106,6 +106,8 @@ def _schedule(explained: "Explained") -> list[str]:
     if spans:
         waited = " and is waited by the first forward to run" if explained.overlap else ""
         lines.append(f"  (such a bucket launches where its last grads arrive{waited})")
+    for flag in schedule.exposed(explained):
+        lines += _wrapped("", [flag.describe(collectives.reduction_name(explained.optimizer.dp))])
     return lines
 
 

@@ -44,7 +44,7 @@ def _conditions(data: dict[str, Any], date: str) -> str:
     names = data["collectives"]
     ops = f"reduction {names['reduction']}, gather {names['gather']}; " if names["reduction"] else ""
     return (
-        f"world size {c['world_size']} ({group}); bucket size {size}; {len(data['buckets'])} buckets; "
+        f"world size {c['world_size']} ({group}); bucket size {size}; {len(data['buckets'])} bucket{'s' * (len(data['buckets']) != 1)}; "
         f"overlap_param_gather {'on' if c['overlap_param_gather'] else 'off'}\n{ops}inner compiler {c['inner_compiler']}; "
         f"fxzero {c['fxzero']}, torch {c['torch']}; {date}"
     )
@@ -95,7 +95,7 @@ def draw_timeline(data: dict[str, Any], path: Union[str, "os.PathLike[str]"], da
     axes = fig.subplots(len(graphs), 1, squeeze=False, gridspec_kw={"height_ratios": heights})
     for ax, graph in zip(axes[:, 0], graphs):
         _panel(ax, graph, data["conditions"]["overlap_param_gather"])
-    axes[-1, 0].set_xlabel("node position in the compiled graph (forward, then backward; k/N: node k of the part's N)")
+    axes[-1, 0].set_xlabel("node position in the compiled graph, not time (forward, then backward; k/N: node k of the part's N nodes)")
     names = data["collectives"]
     handles = [
         Line2D([], [], color=_WAIT, marker="v", ls="", label=f"gather waited ({names['gather'] or 'none at world size 1'})"),

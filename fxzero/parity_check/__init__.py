@@ -48,15 +48,28 @@ def parity(
     optimizer_state_dtype: Literal["fp32", "bf16", "fp8"] = "fp32",
     param_remainders: bool = False,
     param_rounding: Literal["auto", "nearest_even", "half_away", "stochastic"] = "auto",
+    loss_fn: Optional[Callable[[Any], Any]] = None,
 ) -> ParityReport:
     """Train ``model`` with fxzero on ``world_size`` ranks and eagerly in this process;
     compare (``print(report)``; ``report.verdict`` is ``"PASS"``, ``"FAIL"`` or
     ``"NOT COMPARABLE"``).
 
-    ``model(*batch)`` returns the scalar loss, a mean over the batch. ``batch_fn(step)``
-    returns the *global* batch of ``step`` as a tuple of tensors (or one tensor); rank r
-    takes slice r of ``world_size`` equal slices along dim 0. ``optimizer_factory(params)``
-    builds the plain ``torch.optim`` optimizer to wrap (default AdamW, lr 1e-3).
+    :param model: the module to check (on the CPU); not changed.
+    :param batch_fn: ``batch_fn(step)`` returns the *global* batch of ``step``: a tuple of
+        tensors (positional arguments), one tensor, or a dict (keyword arguments, e.g.
+        ``{"input_ids": ids, "labels": ids}``); rank r takes slice r of ``world_size``
+        equal slices along dim 0.
+    :param optimizer_factory: builds the plain ``torch.optim`` optimizer to wrap from the
+        params (default AdamW, lr 1e-3).
+    :param loss_fn: ``loss_fn(output)`` is the training loss (a mean over the batch). Without
+        it: a scalar output, a ``ModelOutput``'s or dict's ``loss``; else the mean of
+        squares of the output's logits or first tensor (a stand-in loss).
+
+    A model with random ops (dropout) is compared exactly: each rank seeds its generator,
+    the reference runs each rank's slice with that rank's generator, and Inductor compiles
+    random ops as eager's so both draw the same masks. A model the check cannot compare
+    (BatchNorm in train mode, a summed loss, samples mixed across the batch) is found
+    before training and reported ``NOT COMPARABLE`` with the fix, in seconds.
     ``atol_loss`` / ``atol_param`` replace the default tolerances (10x the noise floor).
     ``optimizer_state_dtype``, ``param_remainders``, ``param_rounding``: fxzero's precision options
     (:class:`fxzero.Config`) on the ranks, against a reference that keeps fp32 state and masters:
@@ -66,6 +79,16 @@ def parity(
     pickle, so its class must be importable by name in a fresh process (defined at
     module level; in a script, under ``if __name__ == "__main__":``).
     ``python -m fxzero parity TARGET`` has no such need: its ranks call TARGET's function.
+
+    :returns: a :class:`ParityReport`.
+    :raises ParityError: bad options, a batch that does not split evenly, a model that does
+        not pickle.
+    :raises fxzero.testing.RankError: fxzero raised on a rank.
+
+    Example::
+
+        report = fxzero.parity(model, lambda step: (x[step], y[step]), world_size=2, steps=5)
+        assert report.verdict == "PASS", report.params[0].name
     """
     options = ParityOptions(
         world_size=world_size,
@@ -80,4 +103,4 @@ def parity(
         param_remainders=param_remainders,
         param_rounding=param_rounding,
     )
-    return check(model, batch_fn, optimizer_factory, options)
+    return check(model, batch_fn, optimizer_factory, options, loss_fn=loss_fn)

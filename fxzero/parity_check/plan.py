@@ -28,11 +28,12 @@ __all__ = [
     "ParityError",
     "ParityOptions",
     "Tolerance",
+    "batch_keys",
+    "call_model",
     "check_model",
     "default_optimizer",
     "floor_parts",
     "incomparable_modules",
-    "loss_dependence",
     "normalize_batch",
     "split_batch",
     "tolerance",
@@ -45,8 +46,6 @@ FLOOR_MULTIPLE = 10.0
 ULP_MULTIPLE = 8.0
 """The smallest default tolerance: this many units of rounding (eps of the dtype) of
 the largest reference value, for when the noise floor is 0."""
-
-_DROPOUT = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout, nn.FeatureAlphaDropout)
 
 
 class ParityError(ValueError):
@@ -172,15 +171,18 @@ def _constructor_kwargs(optimizer_class: type, defaults: dict[str, Any]) -> dict
 
 
 # ---- what the TARGET function returns ---------------------------------------------------
-RETURNS = "(model, batch_fn[, optimizer_factory])"
+RETURNS = "(model, batch_fn[, optimizer_factory[, loss_fn]])"
 
 
-def unpack_target(result: Any, name: str) -> tuple[nn.Module, Callable[[int], Any], Optional[Callable[..., Any]]]:
+def unpack_target(result: Any, name: str) -> tuple[nn.Module, Callable[[int], Any], Optional[Callable[..., Any]], Any]:
     """Split a TARGET function's return value, naming what is wrong with it."""
-    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3):
+    if not isinstance(result, (tuple, list)) or len(result) not in (2, 3, 4):
         raise TargetError(f"{name}() must return {RETURNS}, got {type(result).__name__}")
     model, batch_fn = result[0], result[1]
-    factory = result[2] if len(result) == 3 else None
+    factory = result[2] if len(result) >= 3 else None
+    loss_fn = result[3] if len(result) == 4 else None
+    if loss_fn is not None and not callable(loss_fn):
+        raise TargetError(f"{name}() returned loss_fn of type {type(loss_fn).__name__}; expected loss_fn(output)")
     if not isinstance(model, nn.Module):
         raise TargetError(f"{name}() returned a model of type {type(model).__name__}; expected a torch.nn.Module")
     if not callable(batch_fn):
@@ -189,12 +191,28 @@ def unpack_target(result: Any, name: str) -> tuple[nn.Module, Callable[[int], An
         raise TargetError(
             f"{name}() returned optimizer_factory of type {type(factory).__name__}; expected optimizer_factory(params)"
         )
-    return model, batch_fn, factory
+    return model, batch_fn, factory, loss_fn
 
 
 # ---- batches ----------------------------------------------------------------------------
-def normalize_batch(value: Any, step: int) -> tuple[torch.Tensor, ...]:
-    """``batch_fn(step)``'s global batch as a tuple of tensors (a lone tensor is one)."""
+def batch_keys(value: Any) -> tuple[str, ...]:
+    """The keyword names of a batch given as a dict (``{"input_ids": ..., "labels": ...}``);
+    ``()`` for positional batches."""
+    return tuple(value) if isinstance(value, dict) else ()
+
+
+def call_model(forward: Any, batch: tuple[torch.Tensor, ...], keys: Sequence[str]) -> Any:
+    """``forward(**batch)`` for a dict batch (its values in ``keys`` order), else ``forward(*batch)``."""
+    return forward(**dict(zip(keys, batch))) if keys else forward(*batch)
+
+
+def normalize_batch(value: Any, step: int, keys: Sequence[str] = ()) -> tuple[torch.Tensor, ...]:
+    """``batch_fn(step)``'s global batch as a tuple of tensors (a lone tensor is one; a dict's
+    values in the order of step 0's ``keys``)."""
+    if isinstance(value, dict):
+        if tuple(value) != tuple(keys):
+            raise ParityError(f"batch_fn({step}) returned keys {list(value)}; batch_fn(0) returned {list(keys)}")
+        value = tuple(value.values())
     batch = (value,) if isinstance(value, torch.Tensor) else value
     if not isinstance(batch, (tuple, list)) or not batch:
         raise ParityError(f"batch_fn({step}) returned {type(value).__name__}; expected a tuple of tensors")
@@ -242,35 +260,18 @@ def check_model(model: Any) -> None:
 
 # ---- what makes the comparison meaningless ----------------------------------------------------
 def incomparable_modules(model: nn.Module) -> tuple[str, ...]:
-    """Modules in train mode whose output for a sample depends on the rest of its batch
-    or on random draws: N ranks on slices cannot match one process on the global batch."""
+    """Modules in train mode whose output for a sample depends on the rest of its batch: N
+    ranks on slices cannot match one process. (Random ops are no reason: the reference
+    draws each rank's masks from that rank's generator, :mod:`.probe`.)"""
     reasons = []
     for name, module in model.named_modules():
         kind = type(module).__name__
         if isinstance(module, batch_norm_base()) and module.training:
-            reasons.append(f"{name or 'model'} ({kind} in train mode): per-rank batch statistics")
-        elif isinstance(module, _DROPOUT) and module.training and module.p > 0:
-            reasons.append(f"{name or 'model'} ({kind}, p={module.p}, in train mode): random masks differ per rank")
+            reasons.append(
+                f"{name or 'model'} ({kind} in train mode): per-rank batch statistics. Fix: check the model with it in "
+                "eval mode, or GroupNorm / LayerNorm in its place (SyncBatchNorm is not supported by fxzero parity)"
+            )
     return tuple(reasons)
-
-
-LOSS_DEPENDENCE = 1e-4
-"""Relative |reference loss - mean of the slices' losses| before any update above which
-the loss is taken to depend on how the batch is split (fp32 rounding is ~1e-7)."""
-
-
-def loss_dependence(loss: float, slices_loss: float, parts: int, dtype: torch.dtype) -> tuple[str, ...]:
-    """Why the loss on the global batch is not the mean of the losses on its slices, at
-    step 1 (same params on both sides): a loss summed rather than averaged over the
-    batch, or a model that mixes samples. A tolerance built on that noise floor would
-    be meaningless, so it makes the model not comparable."""
-    limit = max(LOSS_DEPENDENCE, 16 * torch.finfo(dtype).eps) * max(abs(loss), abs(slices_loss))
-    if parts < 2 or abs(loss - slices_loss) <= limit:
-        return ()
-    return (
-        f"step 1 loss on the global batch {loss:.6g} != mean of its {parts} slices' losses {slices_loss:.6g}: "
-        "the loss is not a mean over the batch, or the model mixes samples",
-    )
 
 
 # ---- tolerances ---------------------------------------------------------------------------------

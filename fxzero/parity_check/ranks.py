@@ -32,7 +32,9 @@ from .plan import (
     trainable_params,
     unpack_target,
 )
-from .reference import param_snapshot
+from .._torch_compat import inductor_eager_random
+from .probe import RANK_SEED
+from .reference import Call, param_snapshot
 
 __all__ = ["DEFAULT_FUNCTION", "ModelSource", "RankRun", "RankTask", "train_rank"]
 
@@ -49,22 +51,23 @@ class ModelSource:
     """``pickle.dumps((model, OptimizerSpec))`` made in the parent."""
 
     @classmethod
-    def of_model(cls, model: nn.Module, spec: OptimizerSpec) -> "ModelSource":
+    def of_model(cls, model: nn.Module, spec: OptimizerSpec, loss_fn: Any = None) -> "ModelSource":
         try:
-            return cls(pickled=pickle.dumps((model, spec)))
+            return cls(pickled=pickle.dumps((model, spec, loss_fn)))
         except (pickle.PicklingError, AttributeError, TypeError) as error:
             raise ParityError(
                 f"fxzero.parity sends the model to its rank processes by pickle, and this {type(model).__name__} "
-                f"(or its optimizer class) cannot be pickled: {error}. Define the model's class at module level in "
+                f"(or its optimizer class or loss_fn) cannot be pickled: {error}. Define the model's class at module level in "
                 "an importable module, or run `python -m fxzero parity TARGET`, whose ranks call TARGET's function"
             ) from error
 
-    def load(self) -> tuple[nn.Module, OptimizerSpec]:
+    def load(self) -> tuple[nn.Module, OptimizerSpec, Any]:
+        """The model, the optimizer to wrap, and ``loss_fn`` (or None)."""
         if self.target is not None:
             factory = load_target(self.target, DEFAULT_FUNCTION, RETURNS)
-            model, _, optimizer_factory = unpack_target(factory(), getattr(factory, "__name__", self.target))
+            model, _, optimizer_factory, loss_fn = unpack_target(factory(), getattr(factory, "__name__", self.target))
             params = trainable_params(model)
-            return model, OptimizerSpec.of((optimizer_factory or default_optimizer)(params), params)
+            return model, OptimizerSpec.of((optimizer_factory or default_optimizer)(params), params), loss_fn
         try:
             return pickle.loads(self.pickled)
         except Exception as error:  # noqa: BLE001 - any unpickling failure means the same thing
@@ -86,6 +89,13 @@ class RankTask:
     """``Config.overlap_param_gather``."""
     record: bool
     """Rank 0 returns the params after every step (else only after the last)."""
+    keys: tuple[str, ...] = ()
+    """A dict batch's keyword names (``()``: positional)."""
+    random: bool = False
+    """The model draws random numbers: each rank seeds ``RANK_SEED + rank`` (the reference draws
+    the same), and Inductor compiles random ops as eager's (:func:`inductor_eager_random`; not
+    around the eager inner compiler, which draws eager's already: under the flag its partition
+    ran the dropouts again in backward, drawing new masks from the generator)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,15 +123,23 @@ def _optimizer(model: nn.Module, spec: OptimizerSpec, task: RankTask) -> Distrib
 def train_rank(task: RankTask) -> RankRun:
     """fxzero as a user runs it: ``DistributedOptimizer(..., module=model)`` and
     ``torch.compile(model, backend="fxzero")`` on this rank's slice of each batch."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model, spec = task.source.load()
+    rank = dist.get_rank()
+    model, spec, loss_fn = task.source.load()
     model.load_state_dict(task.initial_state)
     opt = _optimizer(model, spec, task)
     compiled = torch.compile(model, backend="fxzero", options={"inner_compiler": task.options.inner_compiler})
+    if task.random:
+        torch.manual_seed(RANK_SEED + rank)
+    with inductor_eager_random(task.random and task.options.inner_compiler == "inductor"):
+        return _train(task, model, compiled, opt, Call(task.keys, loss_fn))
+
+
+def _train(task: RankTask, model: nn.Module, compiled: Any, opt: DistributedOptimizer, call: Call) -> RankRun:
+    rank, world = dist.get_rank(), dist.get_world_size()
     record = task.record and rank == 0
     losses, snapshots, skipped = [], [], []
     for step, batch in enumerate(task.batches):
-        loss = compiled(*split_batch(batch, world, step)[rank])
+        loss = call.loss(compiled, split_batch(batch, world, step)[rank], step)
         loss.backward()
         if record and step > 0:
             # The params after the previous step, read once this forward has waited for

@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.nn as nn
 
 from .. import mxfp8
-from .plan import ParityError, split_batch, trainable_params
+from ..model_output import scalar_loss
+from .plan import ParityError, call_model, split_batch, trainable_params
+from .probe import RankGenerators
 
-__all__ = ["Trainer", "Trace", "max_abs_diff", "one_thread", "param_snapshot", "run_references"]
+__all__ = ["Call", "Trainer", "Trace", "max_abs_diff", "one_thread", "param_snapshot", "run_references"]
 
 
 def param_snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -47,25 +49,28 @@ class Trainer:
     """A model and the optimizer ``factory`` builds for it, stepped on slices of a batch.
 
     With ``mxfp8`` the optimizer holds fp32 masters and the model computes on their MXFP8
-    round trip after every step, as fxzero's ranks do with ``mxfp8_param_gather``. With
-    ``inductor`` the model runs through plain ``torch.compile`` (Inductor, no fxzero).
+    round trip after every step, as fxzero's ranks do with ``mxfp8_param_gather``.
+    ``compiler``: ``"inductor"`` runs the model through plain ``torch.compile``,
+    ``"aot_eager"`` through AOTAutograd without Inductor, ``None`` eagerly. With
+    ``generators``, slice ``r`` runs with rank ``r``'s generator (its dropout masks).
     """
 
-    def __init__(
-        self, model: nn.Module, factory: Callable[..., Any], mxfp8_params: bool, inductor: bool = False
-    ) -> None:
+    def __init__(self, model: nn.Module, factory: Callable[..., Any], mxfp8_params: bool, compiler: Optional[str] = None,
+                 call: "Optional[Call]" = None, generators: Optional[RankGenerators] = None) -> None:  # fmt: skip
         self.model = model
-        self.forward = torch.compile(model) if inductor else model
+        self.forward = model if compiler is None else torch.compile(model, backend=compiler)
         self.params = trainable_params(model)
         for p in self.params:
             p.grad = None  # a deep copy keeps the user's stale grads
         self.mxfp8 = mxfp8_params
         self.masters = [p.detach().clone().requires_grad_() for p in self.params] if mxfp8_params else self.params
         self.optimizer = factory(list(self.masters))
+        self.call = call or Call()
+        self.generators = generators
 
     def step(self, slices: Sequence[tuple[torch.Tensor, ...]], step: int) -> float:
         """One optimizer step on the mean of the slices' gradients; the mean loss."""
-        losses = [self._backward(part, step) for part in slices]
+        losses = [self._backward(part, step, index) for index, part in enumerate(slices)]
         with torch.no_grad():
             for p, master in zip(self.params, self.masters):
                 if p.grad is not None and len(slices) > 1:
@@ -78,18 +83,29 @@ class Trainer:
                     p.copy_(_mxfp8_round_trip(master))
         return sum(losses) / len(losses)
 
-    def _backward(self, part: tuple[torch.Tensor, ...], step: int) -> float:
-        loss = self.forward(*part)
-        if not isinstance(loss, torch.Tensor) or loss.dim() != 0 or not loss.requires_grad:
-            what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            if isinstance(loss, torch.Tensor) and loss.dim() == 0:
-                what = "a scalar that does not require grad"
-            raise ParityError(
-                f"model(*batch_fn({step})) returned {what}; the forward must return the scalar training loss "
-                "(mean over the batch)"
-            )
+    def _backward(self, part: tuple[torch.Tensor, ...], step: int, index: int) -> float:
+        with self.generators.rank(index) if self.generators is not None else contextlib.nullcontext():
+            loss = self.call.loss(self.forward, part, step)
         loss.backward()
         return float(loss.detach())
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """How a batch reaches the model and what of its output is the loss (:mod:`fxzero.model_output`)."""
+
+    keys: tuple[str, ...] = ()
+    """A dict batch's keyword names (``()``: positional)."""
+    loss_fn: Optional[Callable[[Any], torch.Tensor]] = None
+
+    def loss(self, forward: Any, part: tuple[torch.Tensor, ...], step: int) -> torch.Tensor:
+        loss, _ = scalar_loss(call_model(forward, part, self.keys), self.loss_fn, f"model(*batch_fn({step}))")
+        if not loss.requires_grad:
+            raise ParityError(
+                f"model(*batch_fn({step})) returned a loss that does not require grad; the forward must compute the "
+                "training loss from the params (not under torch.no_grad())"
+            )
+        return loss
 
 
 @contextlib.contextmanager
@@ -120,10 +136,13 @@ class Trace:
 def run_references(
     reference: Trainer, floor: Trainer, batches: Sequence[tuple[torch.Tensor, ...]], parts: int
 ) -> Trace:
+    """The reference steps on the global batch, or, drawing random ops (``generators``), on
+    each rank's slice with that rank's generator; the floor on ``parts`` slices."""
     losses, floor_losses, params, floor_diffs = [], [], [], []
     with one_thread():
         for step, batch in enumerate(batches):
-            losses.append(reference.step([batch], step))
+            random = reference.generators is not None
+            losses.append(reference.step(split_batch(batch, parts, step) if random else [batch], step))
             floor_losses.append(floor.step(split_batch(batch, parts, step), step))
             params.append(param_snapshot(reference.model))
             floor_params = dict(floor.model.named_parameters())

@@ -18,7 +18,17 @@ from .ranks import RankRun
 from .reference import Trace, max_abs_diff
 from .report_format import render
 
-__all__ = ["Agreement", "ParamResult", "ParityReport", "Setup", "agreement", "compare_params", "ranks_agree", "worst"]
+__all__ = [
+    "Agreement",
+    "ParamResult",
+    "ParityReport",
+    "Setup",
+    "agreement",
+    "compare_params",
+    "ranks_agree",
+    "untrained_report",
+    "worst",
+]
 
 EXIT_CODES = {"PASS": 0, "FAIL": 1, "NOT COMPARABLE": 3}
 
@@ -40,7 +50,9 @@ class Setup:
     optimizer: str
     buckets: int
     floor_parts: int
-    """Slices the noise-floor reference averaged gradients over (1: no floor)."""
+    """Slices the noise-floor reference averaged gradients over (1: no floor; 0: not trained)."""
+    random: bool = False
+    """The model draws random numbers (dropout): the reference ran each rank's slice with that rank's generator."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,20 +137,31 @@ class ParityReport:
     """What :func:`fxzero.parity` found; ``str(report)`` is the printed report."""
 
     setup: Setup
+    """What ran: the model's class, its params, the options, the optimizer, the buckets."""
     reference_losses: tuple[float, ...]
+    """The eager reference's loss at each step (the mean of the slices' when the model draws random numbers)."""
     fxzero_losses: tuple[float, ...]
     """Mean over ranks of each rank's loss on its slice."""
     floor_losses: tuple[float, ...]
+    """The noise floor's loss at each step (the reference computed a second, mathematically identical way)."""
     params: tuple[ParamResult, ...]
+    """Per param, its difference after each step; those over the tolerance first: ``params[0].name`` is where to look."""
     loss_tolerance: Tolerance
+    """The largest allowed loss difference and how it was chosen (10x the floor, a few ulps, or given)."""
     param_tolerance: Tolerance
+    """The same for params."""
     overlap: Agreement
     """fxzero with ``overlap_param_gather=False`` vs ``True``: must be bitwise identical."""
     ranks: Agreement
+    """Every rank ends with rank 0's params, bitwise."""
     not_comparable: tuple[str, ...]
     """Why a global-batch reference cannot match (empty: it can)."""
     skipped_steps: tuple[int, ...]
+    """Steps (1-based) whose update fxzero skipped (non-finite gradient norm)."""
     seconds: float
+    """Wall time of the whole check."""
+    trained: bool = True
+    """False when :attr:`not_comparable` was found before training: nothing was trained or compared."""
 
     @property
     def loss_diffs(self) -> tuple[float, ...]:
@@ -177,6 +200,8 @@ class ParityReport:
         """FAIL when fxzero disagrees with itself (overlap on/off, ranks) whatever the
         model; NOT COMPARABLE when the model cannot match a global-batch reference;
         else FAIL or PASS by the tolerances."""
+        if not self.trained:
+            return "NOT COMPARABLE"
         if any(not a.identical for _, a in self._bitwise()):
             return "FAIL"
         if self.not_comparable:
@@ -190,6 +215,13 @@ class ParityReport:
 
     def __str__(self) -> str:
         return render(self)
+
+
+def untrained_report(setup: Setup, not_comparable: tuple[str, ...], seconds: float) -> ParityReport:
+    """The report of a check stopped before training: why, and nothing measured."""
+    nothing = Tolerance(0.0, "not trained")
+    return ParityReport(setup, (), (), (), (), nothing, nothing, Agreement(True), Agreement(True), not_comparable, (),
+                        seconds, trained=False)  # fmt: skip
 
 
 def _steps(steps: Sequence[int]) -> str:

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 if TYPE_CHECKING:
-    from .report import Agreement, ParamResult, ParityReport
+    from .report import Agreement, ParamResult, ParityReport, Setup
 
 __all__ = ["render"]
 
@@ -32,7 +32,9 @@ def _header(report: "ParityReport") -> str:
         f"fxzero parity: {s.model}, {s.params} params ({s.elements:,} elements); {o.steps} steps of {s.optimizer}\n"
         f"fxzero: {o.world_size} gloo rank{'s' if o.world_size > 1 else ''} (CPU), inner compiler {o.inner_compiler}, "
         f"bucket size {bucket} ({s.buckets} bucket{'s' if s.buckets != 1 else ''}), "
-        f"MXFP8 param gather {'on' if o.mxfp8 else 'off'}; reference: one process, eager, global batch"
+        f"MXFP8 param gather {'on' if o.mxfp8 else 'off'}; reference: one process, eager, "
+        + ("each rank's slice with that rank's generator (the model draws random numbers; the ranks' Inductor draws "
+           "eager's)" if s.random else "global batch")
         + (f"\nprecision options: {', '.join(o.precision)} (the reference keeps fp32 state and masters)" if o.precision else "")
     )
 
@@ -73,10 +75,16 @@ def _param_table(report: "ParityReport") -> str:
     return table + f"\n({order}" + (f"; {rest} more params, all within the tolerance)" if rest else ")")
 
 
+def _floor_how(setup: "Setup") -> str:
+    if setup.options.inner_compiler == "eager" and setup.random:
+        return " through AOTAutograd (aot_eager, drawing the same masks)"
+    return _COMPILED.get(setup.options.inner_compiler, "")
+
+
 def _checks(report: "ParityReport") -> list[str]:
     s, tl, tp = report.setup, report.loss_tolerance, report.param_tolerance
     floor = (
-        f"noise floor: the reference again{_COMPILED.get(s.options.inner_compiler, '')}, each gradient the mean of "
+        f"noise floor: the reference again{_floor_how(s)}, each gradient the mean of "
         f"{s.floor_parts} slices' backward passes (as the ranks compute it, without fxzero): "
         f"loss {_num(report.floor_loss)}, params {_num(report.floor_param)}"
         if s.floor_parts > 1
@@ -109,8 +117,10 @@ def _times(value: float, floor: float) -> str:
 
 def _verdict(report: "ParityReport") -> list[str]:
     verdict = report.verdict
-    lines = [f"not comparable to a global-batch reference: {reason}" for reason in report.not_comparable]
-    if verdict == "PASS":
+    lines = [f"not comparable: {reason}" for reason in report.not_comparable]
+    if not report.trained:
+        why = "found before training; nothing was trained (see the fix above)"
+    elif verdict == "PASS":
         why = "losses and every param within the tolerances, fxzero bitwise identical with itself"
     elif verdict == "NOT COMPARABLE":
         why = "no global-batch reference can match this model (see above); fxzero agrees with itself"
@@ -120,6 +130,8 @@ def _verdict(report: "ParityReport") -> list[str]:
 
 
 def render(report: "ParityReport") -> str:
+    if not report.trained:
+        return "\n\n".join([_header(report), "\n".join(_verdict(report))]) + "\n"
     checks = "\n".join(_checks(report) + _verdict(report))
     sections = [_header(report), _loss_table(report), _param_table(report), checks]
     return "\n\n".join(sections) + "\n"

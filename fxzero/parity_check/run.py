@@ -19,21 +19,23 @@ import torch.nn as nn
 
 from ..testing import run_ranks
 from ..target import resolve_target
+from .._torch_compat import inductor_eager_random
 from .plan import (
     OptimizerSpec,
     ParityOptions,
+    batch_keys,
     check_model,
     default_optimizer,
     floor_parts,
     incomparable_modules,
-    loss_dependence,
     normalize_batch,
     split_batch,
     tolerance,
 )
+from .probe import RankGenerators, batch_mixing, has_random_ops
 from .ranks import ModelSource, RankRun, RankTask, train_rank
-from .reference import Trainer, Trace, run_references
-from .report import ParityReport, Setup, agreement, compare_params, ranks_agree, worst
+from .reference import Call, Trainer, Trace, run_references
+from .report import ParityReport, Setup, agreement, compare_params, ranks_agree, untrained_report, worst
 
 __all__ = ["check"]
 
@@ -45,38 +47,61 @@ def check(
     options: ParityOptions,
     *,
     target: Optional[str] = None,
+    loss_fn: Optional[Callable[[Any], Any]] = None,
 ) -> ParityReport:
     """The whole check; ``target`` (a TARGET string) makes the ranks call the user's
     function to build their model, instead of unpickling the parent's."""
     start = time.perf_counter()
     check_model(model)
-    batches = tuple(normalize_batch(batch_fn(step), step) for step in range(options.steps))
+    keys = batch_keys(first := batch_fn(0))
+    batches = tuple(normalize_batch(first if step == 0 else batch_fn(step), step, keys) for step in range(options.steps))
     for step, batch in enumerate(batches):
         split_batch(batch, options.world_size, step)  # raises, naming the tensor, if it does not split
-    parts = floor_parts(options.world_size, batches)
+    random = has_random_ops(model, split_batch(batches[0], options.world_size, 0)[0], keys, loss_fn)
+    mixing_parts = floor_parts(options.world_size, batches)
+    not_comparable = incomparable_modules(model) + batch_mixing(model, batches[0], mixing_parts, keys, loss_fn, random)
     factory = optimizer_factory or default_optimizer
-    reference = Trainer(copy.deepcopy(model), factory, options.mxfp8)
+    reference = _trainer(model, factory, options, None, Call(keys, loss_fn), random)
     spec = OptimizerSpec.of(reference.optimizer, reference.masters)
-    floor = Trainer(copy.deepcopy(model), factory, options.mxfp8, inductor=options.inner_compiler == "inductor")
-    source = ModelSource(target=resolve_target(target)) if target is not None else ModelSource.of_model(model, spec)
-    trace = run_references(reference, floor, batches, parts)
+    if not_comparable:  # found in seconds, before any training
+        setup = _setup(model, options, spec, None, 0, random)
+        return untrained_report(setup, not_comparable, time.perf_counter() - start)
+    parts = options.world_size if random else mixing_parts
+    floor = _trainer(model, factory, options, _floor_compiler(options, random), Call(keys, loss_fn), random)
+    source = ModelSource(target=resolve_target(target)) if target is not None else ModelSource.of_model(model, spec, loss_fn)
+    with inductor_eager_random(random and options.inner_compiler == "inductor"):
+        trace = run_references(reference, floor, batches, parts)
     initial = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    runs = [_ranks(RankTask(source, initial, batches, options, overlap, record=overlap)) for overlap in (True, False)]
-    dependence = loss_dependence(trace.losses[0], trace.floor_losses[0], parts, _dtype_of(trace))
-    not_comparable = incomparable_modules(model) + dependence
-    setup = _setup(model, options, spec, runs[0], parts)
-    return _report(setup, trace, runs[0], runs[1], not_comparable, time.perf_counter() - start)
+    tasks = [RankTask(source, initial, batches, options, overlap, overlap, keys, random) for overlap in (True, False)]
+    runs = [_ranks(task) for task in tasks]
+    setup = _setup(model, options, spec, runs[0], parts, random)
+    return _report(setup, trace, runs[0], runs[1], (), time.perf_counter() - start)
+
+
+def _floor_compiler(options: ParityOptions, random: bool) -> Optional[str]:
+    """Plain Inductor when the ranks compile with Inductor; with the eager inner compiler,
+    AOTAutograd without Inductor for a model with random ops (its slices run with the
+    reference's generators, so an eager floor would be the reference itself), else eager."""
+    if options.inner_compiler == "inductor":
+        return "inductor"
+    return "aot_eager" if random else None
+
+
+def _trainer(model: nn.Module, factory: Any, options: ParityOptions, compiler: Optional[str], call: Call, random: bool) -> Trainer:
+    generators = RankGenerators(options.world_size) if random else None
+    return Trainer(copy.deepcopy(model), factory, options.mxfp8, compiler, call, generators)
 
 
 def _ranks(task: RankTask) -> list[RankRun]:
     return run_ranks(task.options.world_size, train_rank, task, timeout=task.options.timeout)
 
 
-def _setup(model: nn.Module, options: ParityOptions, spec: OptimizerSpec, runs: Sequence[RankRun], parts: int) -> Setup:
+def _setup(model: nn.Module, options: ParityOptions, spec: OptimizerSpec, runs: Optional[Sequence[RankRun]], parts: int,
+           random: bool) -> Setup:  # fmt: skip
     params = list(model.parameters())
-    buckets = len(set(runs[0].buckets.values()))
+    buckets = len(set(runs[0].buckets.values())) if runs else 0
     elements = sum(p.numel() for p in params)
-    return Setup(type(model).__name__, len(params), elements, options, spec.describe(), buckets, parts)
+    return Setup(type(model).__name__, len(params), elements, options, spec.describe(), buckets, parts, random)
 
 
 def _report(

@@ -1,0 +1,169 @@
+"""``fxzero explain --size``: the memory per rank and the bytes on the wire of a run, without running it.
+
+Why: the first question about a run ("will it fit, and what will it cost on the wire?")
+should not need the machines. The bucket layout is pure (:func:`~fxzero.optim.layout.layout.plan_buckets`
+works on meta tensors), so this plans the very buffers a :class:`~fxzero.DistributedOptimizer`
+would allocate, for any data-parallel size, and adds what its step keeps per rank:
+
+* **param buffer**: every param, in its dtype, padded as the layout pads it (each rank holds
+  all params: ZeRO-1 shards only the optimizer);
+* **grad buffer**: the same elements in ``Config.grad_dtype`` (fp32 by default);
+* **optimizer state**: this rank's shard (``padded / shard ranks``) times the wrapped
+  optimizer's per-element states (AdamW: 2) in ``Config.optimizer_state_dtype``, and a 4-byte
+  step count per param fragment the shard holds (torch's Adam keeps ``step`` as a tensor);
+* **fp32 masters**: of the shard, when params are not fp32 (int16 remainders with
+  ``param_remainders``);
+* **gather scratch**: 0, fxzero gathers into the param buffer in place (MXFP8 is not sized here).
+
+Tensor parallelism (``tp``) is modelled as Megatron-LM splits a transformer: each weight of 2 or
+more dims is cut in ``tp`` (rounded up), 1-dim params (norms, biases) are whole on every rank.
+Collective bytes are per step and per rank: each bucket's reduce-scatter reads its grad bucket,
+each all-gather writes its param bucket, and a ring moves ``(n - 1) / n`` of that over each
+rank's link. With a bandwidth, each collective's time is Inductor's NCCL model
+(``torch._inductor.comm_analysis``, through :mod:`fxzero._torch_compat`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Optional
+
+import torch
+
+from .._torch_compat import nccl_collective_ms
+from ..config import Config
+from ..optim.layout.layout import plan_buckets, shard_fragments
+
+__all__ = ["SizeReport", "size_run"]
+
+_STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+
+
+@dataclasses.dataclass(frozen=True)
+class SizeReport:
+    """Bytes per rank and per step of one run's setup (``rows()`` for the table, ``as_data()`` for JSON)."""
+
+    model: str
+    params: int
+    """Param elements of the whole model (before tensor parallelism)."""
+    dp: int
+    tp: int
+    instances: int
+    buffer_elements: int
+    """Elements of this rank's flat buffers (its TP part, padded)."""
+    buckets: tuple[int, ...]
+    """Each bucket's padded elements."""
+    param_bytes: int
+    grad_bytes: int
+    state_bytes: int
+    master_bytes: int
+    scratch_bytes: int
+    collectives: tuple[dict[str, Any], ...]
+
+    @property
+    def shard_ranks(self) -> int:
+        return self.dp // self.instances
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.state_bytes + self.master_bytes + self.scratch_bytes
+
+    def rows(self) -> list[tuple[str, int]]:
+        return [("params (flat param buffer)", self.param_bytes), ("grads (flat grad buffer)", self.grad_bytes),
+                ("optimizer state (this rank's shard)", self.state_bytes), ("fp32 masters (this rank's shard)", self.master_bytes),
+                ("gather scratch", self.scratch_bytes), ("total", self.total_bytes)]  # fmt: skip
+
+    def as_data(self) -> dict[str, Any]:
+        data = dataclasses.asdict(self)
+        data.update(buckets=list(self.buckets), collectives=list(self.collectives), total_bytes=self.total_bytes)
+        data["bytes_per_param"] = self.total_bytes / self.params * self.tp if self.params else 0.0
+        return data
+
+    def text(self) -> str:
+        head = (f"fxzero explain --size: {self.model}, {self.params:,} params; dp {self.dp} ({self.instances} instance"
+                f"{'s' * (self.instances != 1)} of {self.shard_ranks} shard ranks), tp {self.tp}; "
+                f"{len(self.buckets)} buckets, {self.buffer_elements:,} buffer elements per rank")  # fmt: skip
+        lines = [head, "", f"{'memory per rank':<40}{'bytes':>18}{'GiB':>10}"]
+        lines += [f"{name:<40}{value:>18,}{value / 2**30:>10.2f}" for name, value in self.rows()]
+        per_param = self.total_bytes / (self.params / self.tp) if self.params else 0.0
+        lines += [f"{'bytes per param (this rank, total / (params / tp))':<58}{per_param:>10.2f}", ""]
+        lines.append(f"{'collectives per step':<34}{'count':>6}{'bytes (buffers)':>20}{'ring bytes/rank':>20}{'ms':>10}")
+        for c in self.collectives:
+            ms = "-" if c["ms"] is None else f"{c['ms']:.2f}"
+            lines.append(f"{c['op']:<34}{c['count']:>6}{c['bytes']:>20,}{c['ring_bytes_per_rank']:>20,}{ms:>10}")
+        return "\n".join(lines) + "\n"
+
+
+def _local_numel(param: torch.Tensor, tp: int) -> int:
+    if tp == 1 or param.dim() < 2:
+        return param.numel()
+    return math.ceil(param.shape[0] / tp) * math.prod(param.shape[1:])
+
+
+def _stand_ins(model: torch.nn.Module, tp: int) -> list[torch.Tensor]:
+    """What the planner sees: each trainable param's TP part as a flat meta tensor, tied params once."""
+    out = []
+    for param in model.parameters():
+        if param.requires_grad:
+            stand_in = torch.empty(_local_numel(param, tp), dtype=param.dtype, device="meta")
+            if getattr(param, "shared_embedding", False):
+                stand_in.shared_embedding = True  # type: ignore[attr-defined]
+            out.append(stand_in)
+    return out
+
+
+def _plans(params: list[torch.Tensor], shard_ranks: int, config: Config) -> list[tuple[torch.dtype, Any]]:
+    """One plan per param dtype, in order of first appearance (as :func:`build_buffers` groups them)."""
+    groups: dict[torch.dtype, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(p.dtype, []).append(p)
+    size = config.resolved_bucket_size(shard_ranks, "nccl")
+    return [(dtype, plan_buckets(group, dp_size=shard_ranks, bucket_size=size, pad_for_high_busbw=config.pad_for_high_busbw,
+                                 shard_multiple=1, grad_dtype=config.grad_dtype)) for dtype, group in groups.items()]  # fmt: skip
+
+
+def _collective(op: str, kind: str, sizes: list[int], ranks: int, bandwidth: Optional[float]) -> dict[str, Any]:
+    ring = sum(s * (ranks - 1) // ranks for s in sizes)
+    ms = None if bandwidth is None else sum(nccl_collective_ms(s, ranks, kind, bandwidth) for s in sizes)
+    return {"op": op, "count": len(sizes), "bytes": sum(sizes), "ring_bytes_per_rank": ring, "ms": ms}
+
+
+def size_run(model: torch.nn.Module, dp: int, *, tp: int = 1, instances: int = 1, config: Optional[Config] = None,
+             states_per_element: int = 2, step_bytes: int = 4, bandwidth_gbps: Optional[float] = None,
+             rank: int = 0) -> SizeReport:  # fmt: skip
+    """Size a run of ``model`` (real or on the meta device) over ``dp`` data-parallel ranks in
+    ``instances`` optimizer instances, each rank holding a ``tp``-th of each matrix.
+    ``states_per_element``: the wrapped optimizer's states per param element (AdamW 2, SGD with
+    momentum 1); ``step_bytes``: its per-param step count's bytes (0 for SGD). ``bandwidth_gbps``:
+    per-link bandwidth (GB/s) for the predicted times. ``rank``: whose shard (the fragments, hence
+    the step counts, differ by a few bytes between ranks)."""
+    config = config or Config()
+    if dp < 1 or tp < 1 or instances < 1 or dp % instances:
+        raise ValueError(f"size: dp ({dp}), tp ({tp}) and instances ({instances}) must be >= 1, dp a multiple of instances")
+    if config.mxfp8_param_gather:
+        raise ValueError("size: MXFP8 param gathers are not sized (their scratch depends on the gather); size without it")
+    shard_ranks = dp // instances
+    params = _stand_ins(model, tp)
+    plans = _plans(params, shard_ranks, config)
+    grad_item = lambda dtype: (config.grad_dtype or dtype).itemsize  # noqa: E731
+    buckets = [b.numel for _, plan in plans for b in plan.buckets]
+    param_bytes = sum(plan.numel * dtype.itemsize for dtype, plan in plans)
+    grad_bytes = sum(plan.numel * grad_item(dtype) for dtype, plan in plans)
+    shard = {dtype: plan.numel // shard_ranks for dtype, plan in plans}
+    state = sum(n * states_per_element * _STATE_BYTES[config.optimizer_state_dtype] for n in shard.values())
+    state += step_bytes * sum(len(shard_fragments(plan, rank % shard_ranks)) for _, plan in plans)
+    masters = sum(n * (2 if config.param_remainders else 4) for dtype, n in shard.items() if dtype != torch.float32)
+    grad_sizes = [b.numel * grad_item(dtype) for dtype, plan in plans for b in plan.buckets]
+    param_sizes = [b.numel * dtype.itemsize for dtype, plan in plans for b in plan.buckets]
+    collectives = []
+    if shard_ranks > 1:
+        collectives.append(_collective("reduce_scatter (grads)", "reduce_scatter", grad_sizes, shard_ranks, bandwidth_gbps))
+        collectives.append(_collective("all_gather (params)", "all_gather", param_sizes, shard_ranks, bandwidth_gbps))
+    if instances > 1:
+        shards = [s // shard_ranks for s in grad_sizes]
+        collectives.append(_collective("all_reduce (shards, over instances)", "all_reduce", shards, instances, bandwidth_gbps))
+    elements = sum(plan.numel for _, plan in plans)
+    total = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return SizeReport(type(model).__name__, total, dp, tp, instances, elements, tuple(buckets), param_bytes, grad_bytes,
+                      state, masters, 0, tuple(collectives))  # fmt: skip
