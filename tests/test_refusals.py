@@ -165,6 +165,61 @@ def test_what_torch_optim_accepts_is_accepted() -> None:
     opt.load_state_dict(_adamw_state())  # the clean state itself
 
 
+class _TiedConvNet(torch.nn.Module):
+    """A conv net with an embedding tied to its output layer (as language models tie theirs), dropout on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(10, 6)
+        self.conv = torch.nn.Conv1d(6, 6, kernel_size=3, padding=1)
+        self.drop = torch.nn.Dropout(0.1)
+        self.head = torch.nn.Linear(6, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.drop(torch.relu(self.conv(self.embed(tokens).transpose(1, 2)))).transpose(1, 2)
+        return self.head(h)
+
+
+def _tied_run() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """Two steps of torch.optim AdamW on the tied conv net."""
+    model = _TiedConvNet()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    _tied_steps(model, opt)
+    return model, opt
+
+
+def _tied_steps(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    """The same batches and dropout masks for every run."""
+    for step in range(STEPS):
+        torch.manual_seed(100 + step)
+        tokens = torch.randint(0, 10, (3, 5))
+        torch.nn.functional.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten()).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_a_conv_net_with_tied_weights_loads_its_torch_optim_state_and_refuses_a_permuted_conv_moment() -> None:
+    """The tied weight is one param with one state; a conv moment permuted (same number of elements)
+    is refused naming it, and the optimizer then trains on bitwise like torch.optim from the good state."""
+    reference, ref_opt = _tied_run()  # torch.optim: two steps, then two more from where they left off
+    state, weights = copy.deepcopy(ref_opt.state_dict()), copy.deepcopy(reference.state_dict())
+    bad = copy.deepcopy(state)
+    conv = [i for i, s in bad["state"].items() if s["exp_avg"].dim() == 3][0]
+    bad["state"][conv]["exp_avg"] = bad["state"][conv]["exp_avg"].permute(2, 1, 0).contiguous()
+    fresh = _TiedConvNet()
+    fresh_opt = fxzero.DistributedOptimizer(fresh.parameters(), torch.optim.AdamW, module=fresh, lr=0.01)
+    with pytest.raises(ValueError, match=r"param 'conv\.weight': state 'exp_avg' has shape \(3, 6, 6\), the param \(6, 6, 3\)"):
+        fresh_opt.load_state_dict(bad)
+    fresh.load_state_dict(weights)
+    fresh_opt.load_state_dict(state)  # after the refusal, the good state: as if the bad one was never given
+    _tied_steps(fresh, fresh_opt)
+    _tied_steps(reference, ref_opt)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.parameters(), reference.parameters()))
+    assert len(list(fresh.parameters())) == len(state["state"])  # the tied weight counted once
+
+
 # ---- messages naming the real cause and a fix that works --------------------------------------------
 class _ActorCritic(torch.nn.Module):
     def __init__(self) -> None:
@@ -177,6 +232,7 @@ class _ActorCritic(torch.nn.Module):
         return torch.log_softmax(self.pi(h), -1), self.v(h)
 
 
+@pytest.mark.slow  # a cold Inductor compile
 def test_a_late_gradient_with_two_optimizers_names_the_optimizer_and_the_param_by_module_path() -> None:
     """A2C with an actor and a critic optimizer (the critic's built without module=), compiled,
     only the actor's in no_sync(): the critic's param got a gradient from both backwards. The
@@ -185,7 +241,7 @@ def test_a_late_gradient_with_two_optimizers_names_the_optimizer_and_the_param_b
     model = _ActorCritic()
     actor = fxzero.DistributedOptimizer([*model.body.parameters(), *model.pi.parameters()], torch.optim.Adam, lr=1e-2, module=model)
     critic = fxzero.DistributedOptimizer(model.v.parameters(), torch.optim.Adam, lr=1e-2)
-    forward = torch.compile(model, backend="fxzero", options={"inner_compiler": "eager"})
+    forward = torch.compile(model, backend="fxzero")  # Inductor, the default inner compiler
     x, reward = torch.randn(5, 6), torch.randn(5, 1)
     with pytest.raises(LateGradient) as caught:
         for _ in range(2):  # the first compiled step learns the counts

@@ -30,6 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch
 
 from ..._torch_compat import unhooked_step
+from .state_dict import hyperparameters
 
 __all__ = ["StateProbe", "Target", "check_states", "check_groups"]
 
@@ -119,7 +120,7 @@ def check_states(
         for own in own_keys:
             if own in state:
                 _per_element(own, state[own], target)
-        hyper, saved = _hyper(live_groups[target.group]), _hyper(saved_groups[target.group])
+        hyper, saved = hyperparameters(live_groups[target.group]), hyperparameters(saved_groups[target.group])
         where = (target.group, len(target.shape), target.dtype, target.device)
         if where not in fresh:
             fresh[where] = _fresh(probe, target, hyper, saved)
@@ -133,10 +134,6 @@ def check_states(
             stepped.add((where, signature))
         loaded[index] = {k: v for k, v in state.items() if k in known or k in own_keys}
     return loaded
-
-
-def _hyper(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in ("params", "param_names")}
 
 
 def _fresh(probe: StateProbe, target: Target, hyper: dict[str, Any], saved: dict[str, Any]) -> Optional[dict[str, Any]]:

@@ -108,15 +108,9 @@ def plain_fragment_states(
     """This rank's share of a plain torch.optim state dict, one state per fragment: each
     elementwise tensor (as many elements as its param) sliced to the fragment, everything
     else (AdamW's ``step``) as it is. torch.optim numbers params in group order, which is
-    the table's slot order; the groups must hold as many params as this optimizer's."""
+    the table's slot order; the groups hold as many params as this optimizer's (a given state
+    dict's were checked first: :func:`~fxzero.optim.state.state_check.check_groups`)."""
     saved = state_dict["param_groups"]
-    sizes = [len(g["params"]) for g in saved]
-    live = [len(slots) for slots in table.group_slots]
-    if sizes != live:
-        raise ValueError(
-            f"load_state_dict: the plain torch.optim state dict has param groups of {sizes} params, this optimizer "
-            f"{live}; build the DistributedOptimizer with the same param groups, in the same order"
-        )
     order = [index for group in saved for index in group["params"]]
     states = []
     for frag in fragments:
