@@ -183,7 +183,7 @@ TIMED = (
     ("> the global grad norm", ReducedGrads, "total_norm"),
     ("> the checks of the params", ParamWatch, "check"),
     ("> collecting the .grad views", GradViews, "collect"),
-    ("zeroing the grad buffer (in step() and zero_grad())", Runtime, "zero_grads"),
+    ("ending the step: the grad buffer zeroed, the ledger's next step (in step() and zero_grad())", Runtime, "end_step"),
     ("zero_grad()", fxzero.DistributedOptimizer, "zero_grad"),
 )
 """(label, owner, attribute): the calls ``--timers`` clocks; ``>`` marks a part of the row above."""

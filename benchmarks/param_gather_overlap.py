@@ -56,7 +56,8 @@ from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E40
 import fxzero  # noqa: E402
 import fxzero.backend  # noqa: E402, F401  (registers the "fxzero" backend)
 from fxzero.optim.update.flat_update import FlatUpdate  # noqa: E402
-from fxzero.optim.params.param_sync import ParamSync, Publish  # noqa: E402
+from fxzero.optim.params.param_sync import ParamSync  # noqa: E402
+from fxzero.optim.update.publish import Publish  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 
 WORLD, BUCKET, TARGET, STEP_TARGET = 2, 1_000_000, 0.05, 1.02

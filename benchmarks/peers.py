@@ -25,7 +25,7 @@ from train_gpt import ModelArgs, Transformer, get_batch, load_bytes  # noqa: E40
 import fxzero  # noqa: E402
 import fxzero.graph_compiler  # noqa: E402
 from fxzero._torch_compat import InductorCompilers  # noqa: E402
-from fxzero.optim.gradients.grad_sync import GradReductions  # noqa: E402
+from fxzero.optim.gradients.grad_reductions import GradReductions  # noqa: E402
 
 LR, BETAS, PER_RANK = 2e-3, (0.9, 0.95), 8
 CONFIGS = ("fxzero", "fxzero + overlap", "fxzero eager-inner", "DDP eager", "DDP + compile", "DDP + ZeRO", "FSDP2", "FSDP2 + compile", "limit")

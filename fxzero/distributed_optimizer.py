@@ -176,30 +176,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- the step ---------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> StepResult:  # type: ignore[override]
-        """Finish grad reduce-scatters, update this rank's shards, gather params.
+        """Finish the gathers and the reductions, measure, update this rank's shards and gather
+        them, end the step: each phase a method of the part that owns its state.
         The gradients are consumed: the next backward starts from zero. A tensor assigned to
         ``p.grad`` is used as is, not averaged, as under DDP (:mod:`fxzero.optim.gradients.hand_grads`)."""
         check_param_groups_kept(self.param_groups, self._built_groups)
         rt = self.runtime
-        rt.sharded_state.consolidated = None
+        rt.sharded_state.begin_step()  # a consolidated state is stale from here
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         rt.buffer_sync.broadcast()  # after the step's last forward, before the next (DDP's broadcast_buffers)
-        rt.param_sync.finish()  # a bucket the forward never read may still be gathering
+        rt.param_sync.finish()  # 1. finish param sync: a bucket the forward never read may still be gathering
         rt.param_watch.check()
         rt.param_watch.adopt_outside_writes()
         dropped, hand = rt.grad_views.collect()
+        rt.reduced.finish_grad_sync()  # 2. finish grad sync: every reduction of this step done
         rt.reduced.use_as_is(hand)
-        result = self._update(rt, dropped, loss)
-        rt.zero_grads(self.buffers)
+        norm, absent = rt.reduced.measure(dropped)  # 3. measure: norms and presence, one all-reduce
+        result = self._update(rt, norm, absent, dropped, loss)  # 4. update, publish, gather
+        rt.end_step()  # 5. the gradients are consumed
         return result
 
-    def _update(self, rt: Runtime, dropped: list[int], loss: Any) -> StepResult:
-        grads = rt.reduced
-        norm, absent = grads.total_norm(dropped), grads.absent(dropped)
-        rt.ledger.start_step()  # the gradients are measured: the step's one new ledger step
+    def _update(self, rt: Runtime, norm: float, absent: list[int], dropped: list[int], loss: Any) -> StepResult:
+        """Skip the step (no gradient anywhere, an inf found by ``GradScaler``, a non-finite
+        norm) or clip, unscale and update."""
         grad_scale, found_inf = grad_scaler_state(self)
         if len(absent) == len(self.param_table.params):
             warn_no_gradients(dropped)
@@ -209,21 +211,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         norm /= grad_scale
         if not math.isfinite(norm):
             return StepResult(skipped=True, grad_norm=norm, loss=loss, reason="non_finite")
-        grads.apply(self._clip_coefficient(norm) / grad_scale)
+        rt.reduced.apply(self._clip_coefficient(norm) / grad_scale)
         self._sync_hyperparameters(rt.local)
-        by_bucket = rt.by_bucket
-        if by_bucket is not None:  # each bucket's gather starts as soon as its shard is updated
-            rt.param_sync.begin()
-        if absent:
-            with grads.hidden(absent):
-                rt.update.step_apart(rt.local_step, by_bucket)
-        else:  # the common case: nothing to hide, no context manager to enter
-            rt.update.step(rt.local_step, by_bucket)
-        rt.sharded_state.rank_state.held = True
-        if by_bucket is None:
-            rt.publish.all()  # every bucket's fp32 masters -> the gather's input (param shard or MXFP8 row); gather
-        else:
-            rt.param_sync.end()
+        rt.update_and_gather(absent)
         return StepResult(skipped=False, grad_norm=norm, loss=loss)
 
     def _clip_coefficient(self, norm: float) -> float:
@@ -273,8 +263,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         not reach, still get weight decay and momentum."""
         rt = self.runtime
         rt.grad_views.clear()
-        rt.zero_grads(self.buffers)
-        rt.ledger.start_step()  # step() starts its own in _update: one per step, one per zero_grad
+        rt.end_step()
         if not set_to_none:
             rt.ledger.all_present()
 

@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
-import operator
 import weakref
 from typing import Any, Callable, Optional, Sequence
 
@@ -50,11 +48,13 @@ from .compiled.binding import GraphBinding, ManagerRef, manager_of
 from .config import Config
 from .mxfp8.gather import Mxfp8Gather
 from .optim.communication.comm import DataParallelGroup, settle
-from .optim.gradients.grad_sync import GradReductions, GradSync
+from .optim.gradients.grad_reductions import GradReductions
+from .optim.gradients.grad_sync import GradSync
 from .optim.gradients.grad_views import GradViews
 from .optim.gradients.ledger import Ledger
 from .optim.gradients.module_no_sync import install_no_sync
 from .optim.gradients.reduced_grads import ReducedGrads
+from .optim.gradients.reduction import reduction_for
 from .optim.layout.buffers import Bucket, ParamAndGradBuffer
 from .optim.layout.mesh import MeshParams, local_of
 from .optim.layout.param_table import ParamTable
@@ -62,14 +62,15 @@ from .optim.layout.shards import BucketShard, FragmentTensor, build_shards
 from .optim.params.buffer_sync import BufferSync
 from .optim.params.ddp_guard import refuse_ddp
 from .optim.params.initial_broadcast import broadcast_initial_state
-from .optim.params.param_sync import Gather, ParamSync, PlainGather, Publish
+from .optim.params.param_sync import Gather, ParamSync, PlainGather
 from .optim.params.param_waits import install_param_waits
 from .optim.params.param_watch import ParamWatch
 from .optim.state.state_check import StateProbe
 from .optim.state.sharded_state import ShardedState
 from .optim.state.state_dict import hyperparameters
-from .optim.update.bucketed_update import updates_param_by_param
-from .optim.update.flat_update import ByBucket, FlatUpdate, place_of
+from .optim.update.bucketed_update import ByBucket, updates_param_by_param
+from .optim.update.flat_update import FlatUpdate, place_of
+from .optim.update.publish import Publish
 from .optim.update.shard_adam import ADAM_CLASSES, UNSUPPORTED_FLAGS, ShardAdamW
 from .optim.state.fragment_store import TorchOptimStore
 
@@ -87,6 +88,8 @@ class Runtime:
     """Whether each param is owned whole by one rank (``Config.state_sharding``), not split in fragments."""
     mesh_params: MeshParams
     """The DTensor params (tensor parallelism) and the mesh dims other than DP they are placed over."""
+    buffers: tuple[ParamAndGradBuffer, ...]
+    """The flat buffers, one per param dtype (the optimizer's ``buffers``)."""
     buckets: tuple[Bucket, ...]
     buffer_sync: BufferSync
     gather: Gather
@@ -118,8 +121,28 @@ class Runtime:
     """Whether MXFP8 gathers land in the grad buffer (a bucket is landed before its grads are touched)."""
     teardown: list[weakref.finalize] = dataclasses.field(default_factory=list)
 
-    def zero_grads(self, buffers: Sequence[ParamAndGradBuffer]) -> None:
-        """Zero what backward wrote into the grad buffers and start the next step's bookkeeping."""
+    def update_and_gather(self, absent: Sequence[int]) -> None:
+        """The step's fourth phase: update this rank's shards, publish each bucket's fp32 masters
+        and launch its gather; bucket by bucket where the class allows (:attr:`by_bucket`), so
+        the gathers run under the rest of the update. ``absent``: params that got no gradient."""
+        by_bucket = self.by_bucket
+        if by_bucket is not None:  # each bucket's gather starts as soon as its shard is updated
+            self.param_sync.begin()
+        if absent:
+            with self.reduced.hidden(absent):
+                self.update.step_apart(self.local_step, by_bucket)
+        else:  # the common case: nothing to hide, no context manager to enter
+            self.update.step(self.local_step, by_bucket)
+        self.sharded_state.stepped()
+        if by_bucket is None:
+            self.publish.all()  # every bucket's fp32 masters -> the gather's input (param shard or MXFP8 row); gather
+        else:
+            self.param_sync.end()
+
+    def end_step(self) -> None:
+        """The step's last phase, and all of ``opt.zero_grad()`` but the ``.grad`` views: zero
+        what backward wrote into the grad buffers, forget this step's measures and start the
+        ledger's next step (one per ``step()``, one per ``zero_grad()``). Idempotent."""
         self.reductions.finish_launched()
         if self.ledger.written:
             if self.reuse_grad_buffer:
@@ -128,15 +151,15 @@ class Runtime:
                     if not self.param_sync.is_pending(bucket.index):
                         bucket.grad_data.zero_()
             else:
-                for buffer in buffers:
+                for buffer in self.buffers:
                     buffer.grad_data.zero_()
             self.ledger.zeroed()
         self.reduced.reset()
+        self.ledger.start_step()
 
     def nbytes(self) -> int:
         """Bytes of the parts' own scratch: exchange slots, gather rows, param-watch copies."""
-        exchange = self.reductions.exchange.nbytes if self.reductions.exchange is not None else 0
-        return exchange + self.gather.nbytes + self.param_watch.nbytes + self.param_sync.nbytes
+        return self.reductions.reduction.nbytes + self.gather.nbytes + self.param_watch.nbytes + self.param_sync.nbytes
 
     def collectives_per_step(self, dp_size: int) -> dict[str, int]:
         counts = collections.Counter({"allreduce": 1} if dp_size > 1 else {})
@@ -180,9 +203,9 @@ def build_runtime(
     reuse = config.reuse_grad_buf_for_mxfp8_param_ag
     gather = Mxfp8Gather(buckets, dp, reuse_grad_buffer=reuse) if config.mxfp8_param_gather else PlainGather(buckets, dp, config.resolved_param_rounding)
     param_sync = ParamSync(buckets, dp, overlap=overlap, gather=gather, described=described)
-    before_grad_write = param_sync.wait if reuse else None  # gather bytes sit in the grad buffer: land a bucket first
-    ledger = Ledger(table, len(buckets), requires_grad=functools.partial(_requires_grad, table.params))
-    reductions = GradReductions(buckets, dp, ledger, described=described, before_grad_write=before_grad_write,
+    ledger = Ledger(table, len(buckets))
+    reductions = GradReductions(buckets, dp, ledger, reduction_for(buckets, dp, described), described=described,
+                                landing=param_sync if reuse else None,  # gather bytes sit in the grad buffer: land a bucket first
                                 divide_factor=config.gradient_divide_factor)  # fmt: skip
     own_update = _check_precision(config, optimizer_class, manager.param_groups, table)
     shards, fragments = build_shards(buffers, table, dp.rank, separate_mains=config.mxfp8_param_gather, remainders=config.param_remainders)
@@ -194,18 +217,15 @@ def build_runtime(
                         [table.bucket_of_slot[f.slot] for f in fragments], kwargs, bucket_count=len(buckets))  # fmt: skip
     publish = Publish(param_sync, [shard.main for shard in sorted(shards, key=lambda shard: shard.bucket.index)])
     stepwise = config.overlap_param_gather_with_optimizer_step and dp.size > 1
-    reduced = ReducedGrads(ledger, reductions, shards, fragments, dp, mesh_params.norms(len(table.params), table.params[0].device),
-                           param_sync.take_written)  # fmt: skip
+    reduced = ReducedGrads(ledger, reductions, shards, fragments, dp, mesh_params.norms(len(table.params), table.params[0].device), param_sync)
     param_watch = ParamWatch(table, shards, gather, dp.rank, ledger.compiled, overlapped=param_sync if overlap else None)
-    grad_views = GradViews(table, reduced, param_watch.check, reset=_weakly(manager.zero_grad))
-    grad_sync = GradSync(table.params, ledger, reductions, before_grad_write=before_grad_write, after_backward=grad_views.install,
-                         reset_if_cleared=grad_views.reset_if_cleared, local_grads=mesh_params.dtensor_slots)  # fmt: skip
+    grad_views = GradViews(table, reduced, param_watch, reset=_weakly(manager.zero_grad))
+    grad_sync = GradSync(table.params, ledger, reductions, views=grad_views, local_grads=mesh_params.dtensor_slots)
     state = ShardedState(dp=dp, table=table, param_groups=manager.param_groups, buffers=buffers, shards=shards, fragments=fragments,
-                         local=local, mesh_params=mesh_params, timeout=config.state_dict_timeout, finish_gathers=param_sync.finish,
-                         publish_and_gather=publish.all, store=local if own_update else TorchOptimStore(local, fragments),
-                         probe=StateProbe(optimizer_class, dict(kwargs)))  # fmt: skip
+                         local=local, mesh_params=mesh_params, timeout=config.state_dict_timeout, republish=publish,
+                         store=local if own_update else TorchOptimStore(local, fragments), probe=StateProbe(optimizer_class, dict(kwargs)))  # fmt: skip
     runtime = Runtime(
-        whole_params=whole_params, mesh_params=mesh_params, buckets=buckets, buffer_sync=buffer_sync, gather=gather,
+        whole_params=whole_params, mesh_params=mesh_params, buffers=tuple(buffers), buckets=buckets, buffer_sync=buffer_sync, gather=gather,
         param_sync=param_sync, ledger=ledger, reductions=reductions, shards=tuple(shards), fragments=tuple(fragments), local=local,
         local_step=compat.unhooked_step(local), update=update, publish=publish,
         by_bucket=_by_bucket(stepwise, optimizer_class, param_sync, publish), reduced=reduced, param_watch=param_watch,
@@ -319,14 +339,6 @@ def _name_for_others(manager: torch.optim.Optimizer, module: torch.nn.Module) ->
 
 def _settle_in_flight(reductions: GradReductions, param_sync: ParamSync) -> None:
     settle(reductions.pending_works() + param_sync.pending_works())
-
-
-_REQUIRES_GRAD = operator.attrgetter("requires_grad")
-
-
-def _requires_grad(params: Sequence[torch.Tensor]) -> bytes:
-    """Each param's ``requires_grad``, in one C-level pass (what the ledger asks per backward)."""
-    return bytes(map(_REQUIRES_GRAD, params))
 
 
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:

@@ -72,7 +72,8 @@ def test_each_steps_collectives_use_the_shard_views_made_at_construction(
     import torch.distributed as dist
 
     from fxzero.optim.communication.comm import DataParallelGroup
-    from fxzero.optim.gradients.grad_sync import GradReductions
+    from fxzero.optim.gradients.grad_reductions import GradReductions
+    from fxzero.optim.gradients.reduction import reduction_for
     from fxzero.optim.params.param_sync import PlainGather
 
     handed: list[tuple[str, torch.Tensor, torch.Tensor]] = []
@@ -86,7 +87,8 @@ def test_each_steps_collectives_use_the_shard_views_made_at_construction(
     params = make_params((64, 3), (100,), (33,), (5, 5))
     buckets = ParamAndGradBuffer(params, plan_buckets(params, dp_size=4, bucket_size=150), grad_dtype=None).buckets
     dp = DataParallelGroup(None, 4, 2, grad_collective, backend="nccl")
-    reductions, gather = GradReductions(buckets, dp, None), PlainGather(buckets, dp)  # type: ignore[arg-type]
+    reductions = GradReductions(buckets, dp, None, reduction_for(buckets, dp, ()))  # type: ignore[arg-type]
+    gather = PlainGather(buckets, dp)
     expected = []
     for bucket in buckets:
         reduced = (bucket.grad_shards[2], bucket.grad_data) if grad_collective == "reduce_scatter" else (bucket.grad_data,) * 2

@@ -57,14 +57,20 @@ def _train_distributed(
         "buckets": len(opt.runtime.buckets),
         "collective": opt.dp.grad_collective,
         "retired_in_backward": retired[0],
-        "chunks": sum(map(len, opt.runtime.reductions.exchange.chunks)) if opt.runtime.reductions.exchange is not None else 0,
+        "chunks": sum(map(len, exchange.chunks)) if (exchange := _exchange(opt)) is not None else 0,
     }
+
+
+def _exchange(opt: fxzero.DistributedOptimizer) -> "grad_exchange.GradExchange | None":
+    """The chunked all-to-all reduction, or ``None`` where another transport reduces."""
+    reduction = opt.runtime.reductions.reduction
+    return reduction if isinstance(reduction, grad_exchange.GradExchange) else None
 
 
 def _count_retires_in_backward(opt: fxzero.DistributedOptimizer) -> list[int]:
     """How many exchange chunks were finished while a backward ran (the exchange keeping up)."""
     count = [0]
-    exchange = opt.runtime.reductions.exchange
+    exchange = _exchange(opt)
     if exchange is not None:
         retire = exchange._retire
 

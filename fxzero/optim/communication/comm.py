@@ -140,7 +140,8 @@ class DataParallelGroup:
     size: int
     rank: int
     grad_collective: Literal["reduce_scatter", "all_reduce", "all_to_all"] = "reduce_scatter"
-    """How a bucket's gradients are averaged into this rank's shard (see :meth:`reduce_grads_async`)."""
+    """How a bucket's gradients are averaged into this rank's shard (the transports:
+    :mod:`fxzero.optim.gradients.reduction`)."""
     backend: str = ""
     """The group's backend name (``""`` without a process group): it picks the default bucket
     size and how params are gathered."""
@@ -211,21 +212,6 @@ class DataParallelGroup:
     def gather_by_broadcast(self) -> bool:
         """All-gathers run as one in-place broadcast per rank (gloo, see :meth:`all_gather_async`)."""
         return self.backend == "gloo"
-
-    @property
-    def post_scale(self) -> float:
-        """Factor this rank's shard still needs after its reduction (1/dp after an
-        all-reduce SUM or the sum of an all-to-all's chunks; 1 after a reduce-scatter AVG)."""
-        return 1.0 if self.grad_collective == "reduce_scatter" else 1.0 / self.size
-
-    def reduce_grads_async(self, shard: torch.Tensor, bucket: torch.Tensor) -> dist.Work:
-        """Start reducing ``bucket`` over ranks into ``shard`` (this rank's view of it):
-        a reduce-scatter averaging into the shard view, or an in-place all-reduce SUM of
-        the whole bucket (which leaves the shard to be scaled by :attr:`post_scale`).
-        ``"all_to_all"`` runs in chunks instead (:mod:`fxzero.optim.gradients.grad_exchange`)."""
-        if self.grad_collective == "all_reduce":
-            return dist.all_reduce(bucket, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        return dist.reduce_scatter_single(shard, bucket, op=dist.ReduceOp.AVG, group=self.group, async_op=True)
 
     def exchange_async(self, sends: Sequence[tuple[torch.Tensor, list[int]]], receives: Sequence[tuple[torch.Tensor, list[int]]]) -> list[dist.Work]:
         """One chunk of the all-to-all reduction, in place: round ``i`` sends ``sends[i]``'s

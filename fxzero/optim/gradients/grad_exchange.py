@@ -71,7 +71,8 @@ class _Chunk:
 
 
 class GradExchange:
-    """Chunked all-to-all reductions of a fixed list of buckets (see the module docstring)."""
+    """Chunked all-to-all reductions of a fixed list of buckets (see the module docstring); a
+    :class:`~fxzero.optim.gradients.reduction.Reduction`."""
 
     def __init__(
         self,
@@ -103,6 +104,8 @@ class GradExchange:
         self._owed: collections.deque[_Chunk] = collections.deque()
         self._in_flight: collections.deque[tuple[_Chunk, list[dist.Work], int]] = collections.deque()
         self._issued = 0  # chunks issued so far: the next one takes slot issued % slots
+        self.post_scale = 1.0 / dp.size
+        """Each rank's copies are summed: the shard still needs 1/dp."""
 
     def _chunks_of(self, bucket: Bucket) -> Iterator[_Chunk]:
         rank, size = self.dp.rank, self.dp.size
@@ -141,7 +144,7 @@ class GradExchange:
             self._retire()
             self._fill()
 
-    def complete_all(self) -> None:
+    def finish_launched(self) -> None:
         """Finish every launched bucket's reduction (the step: issue what is owed, retire all)."""
         while self._in_flight or self._owed:
             self._fill()
@@ -150,6 +153,10 @@ class GradExchange:
     def pending_works(self) -> list[dist.Work]:
         """The chunks' collectives in flight (what exit waits for, :func:`~fxzero.optim.communication.comm.settle`)."""
         return [work for _, works, _ in self._in_flight for work in works]
+
+    def collectives_per_step(self) -> dict[str, int]:
+        """``dp - 1`` all-to-alls per chunk."""
+        return {"alltoall": sum(map(len, self.chunks)) * (self.dp.size - 1)}
 
     def _fill(self) -> None:
         while self._owed and len(self._in_flight) < self.slots:

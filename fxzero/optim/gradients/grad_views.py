@@ -48,6 +48,7 @@ import torch
 from ..._torch_compat import gradient_ops, plain_torch_function, storageless_like, tensor_is_view
 from .hand_grads import HandGrad, check_hand_grad
 from ..layout.param_table import ParamTable
+from ..params.param_watch import ParamWatch
 from .reduced_grads import ReducedGrads
 
 __all__ = ["GradViews", "ShardedGrad", "grad_scaler_state"]
@@ -297,7 +298,7 @@ class GradViews:
         self,
         table: ParamTable,
         grads: ReducedGrads,
-        explain_failure: Callable[[], None],
+        watch: ParamWatch,
         reset: Optional[Callable[[], None]] = None,
     ) -> None:
         self.params = table.params
@@ -311,7 +312,7 @@ class GradViews:
         self._nones: tuple[ShardedGrad | None, ...] = (None,) * len(self.params)
         self._expected: Sequence[Any] = self.views
         """The view :meth:`install` put into each ``.grad`` (``None`` for a frozen param: none)."""
-        self._explain_failure = explain_failure
+        self._watch = watch
         """Raises the clear error when a view no longer fits its param (the model was cast)."""
 
     def install(self) -> None:
@@ -327,7 +328,7 @@ class GradViews:
             for param, view in zip(self.params, views):
                 param.grad = view
         except RuntimeError:
-            self._explain_failure()
+            self._watch.check()
             raise
         self.installed, self._expected = True, expected
 

@@ -41,8 +41,9 @@ import contextlib
 import copy
 import dataclasses
 import logging
+import operator
 import weakref
-from typing import Any, Callable, Iterable, Iterator, Optional, Protocol, Sequence
+from typing import Any, Iterable, Iterator, Optional, Protocol, Sequence
 
 import torch
 
@@ -52,6 +53,8 @@ from ..layout.param_table import ParamTable
 __all__ = ["AUTOGRAD", "Engine", "LateGradient", "Ledger"]
 
 log = logging.getLogger(__name__)
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
 
 NOTHING = range(0)
 
@@ -103,7 +106,6 @@ class Ledger:
         num_buckets: int,
         *,
         engine: Engine = AUTOGRAD,
-        requires_grad: Optional[Callable[[], bytes]] = None,
     ) -> None:
         self._table = table
         self._bucket_of = table.bucket_of_slot  # the table's own tuple, read per gradient (no copy)
@@ -129,8 +131,6 @@ class Ledger:
         self._accumulating = False
         self._forwards: list[_Forward] = []
         self._task = -1
-        self._requires_grad = requires_grad
-        """Each param's ``requires_grad`` as bytes, asked at the start of every backward (see :meth:`_follow_freezing`)."""
         self._ones = b"\x01" * n
         self._ones_view = memoryview(self._ones)  # sliced without a copy
         self._requires_seen = self._ones
@@ -345,8 +345,8 @@ class Ledger:
         if task == self._task or task == -1:
             return
         self._task = task
-        if self._requires_grad is not None:
-            self._follow_freezing(self._requires_grad())
+        # each param's requires_grad, in one C-level pass (see _follow_freezing)
+        self._follow_freezing(bytes(map(_REQUIRES_GRAD, self._table.params)))
         live = []
         for forward in self._forwards:
             node = forward.node()

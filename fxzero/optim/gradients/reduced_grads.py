@@ -4,7 +4,7 @@ Between backward and the update, gradients are read (the global norm ``step()``
 reports and clips by; ``torch.nn.utils.clip_grad_norm_`` and ``GradScaler`` through
 ``p.grad``, see :mod:`fxzero.optim.gradients.grad_views`) and scaled (clipping, unscaling).
 Everything needs this rank's shards holding the average over ranks, so
-:meth:`ReducedGrads.finish` waits for the step's reduce-scatters once, and the first
+:meth:`ReducedGrads.finish_grad_sync` waits for the step's reduce-scatters once, and the first
 read all-reduces, once per step, one small fp64 vector: a "got a gradient" count per
 param and each param's squared norm over this rank's fragments (padding excluded).
 Clipping by hand and then calling ``step()`` therefore communicates once.
@@ -35,12 +35,12 @@ import torch
 
 from ..._torch_compat import foreach_mul_, foreach_norm
 from ..communication.comm import DataParallelGroup
-from .grad_sync import GradReductions
+from .grad_reductions import GradReductions
 from .fragment_norms import FragmentNorms
 from .hand_grads import HandGrad
 from .ledger import Ledger
 from ..layout.mesh import MeshNorms
-from ..params.param_sync import written_in_flight
+from ..params.param_sync import ParamSync, written_in_flight
 from ..layout.shards import BucketShard, FragmentTensor
 
 __all__ = ["ReducedGrads"]
@@ -57,11 +57,11 @@ class ReducedGrads:
         fragments: Sequence[FragmentTensor],
         dp: DataParallelGroup,
         mesh_norms: Optional[MeshNorms] = None,
-        written: Optional[Callable[[], Optional[str]]] = None,
+        param_sync: Optional[ParamSync] = None,
     ) -> None:
         self.ledger, self.reductions = ledger, reductions
-        self._written = written
-        """This rank's finding of params written while gathers were in flight, taken once per step."""
+        self._param_sync = param_sync
+        """Asked once per step for this rank's finding of params written while gathers were in flight."""
         self.mesh_norms = mesh_norms
         """With DTensor params: sums the norms over the other mesh dims too, each param once."""
         self.shards, self.fragments, self.dp = tuple(shards), tuple(fragments), dp
@@ -105,8 +105,10 @@ class ReducedGrads:
             self.zeroed[:] = bytes(self.num_params)
             self._any_zeroed = False
 
-    def finish(self) -> None:
-        """Wait for this step's reductions; fp32 copies of 16-bit grad shards."""
+    def finish_grad_sync(self) -> None:
+        """Wait for this step's reductions; fp32 copies of 16-bit grad shards. The step's
+        second phase, named as Megatron-LM's ``finish_grad_sync()``; idempotent, so any
+        gradient read before ``step()`` (a clip, ``GradScaler``) may call it first."""
         if self._finished:
             return
         self.reductions.finish()
@@ -119,7 +121,7 @@ class ReducedGrads:
         """Per-param presence and squared norms, summed over ranks: one all-reduce."""
         if self._squares:
             return
-        self.finish()
+        self.finish_grad_sync()
         if self._alone is not None:
             self._measure_alone(self._alone)
         else:
@@ -131,7 +133,7 @@ class ReducedGrads:
         Python floats straight from the norms. A product of two fp32 values is exact in
         fp64, so each square has the bits the tensor path's fp64 ``square()`` gives, in one
         read of the norms instead of six small kernels."""
-        found = self._written() if self._written is not None else None
+        found = self._param_sync.take_written() if self._param_sync is not None else None
         if found is not None:
             raise written_in_flight(found, 1)
         norms = self.fragment_norms.compute().tolist()
@@ -147,7 +149,7 @@ class ReducedGrads:
             squares.zero_().index_add_(0, self._measured_slots, self.fragment_norms.compute().double().square())
         else:
             squares.zero_()
-        found = self._written() if self._written is not None else None
+        found = self._param_sync.take_written() if self._param_sync is not None else None
         self._written_stat.fill_(0.0 if found is None else 1.0)
         self.dp.all_reduce_sum(stats)
         if self.mesh_norms is not None:
@@ -173,7 +175,7 @@ class ReducedGrads:
     def _other_norms(self, ord: float) -> list[float]:
         if not (ord == math.inf or ord > 0):
             raise ValueError(f"fxzero: gradient norms of order {ord} are not supported; use 2, inf or a p > 0")
-        self.finish()
+        self.finish_grad_sync()
         values = torch.zeros(self.num_params, dtype=torch.float64, device=self._stats.device)
         if self._grads:
             norms = torch.stack(foreach_norm(self._grads, ord)).double()
@@ -205,6 +207,11 @@ class ReducedGrads:
             sum(q * self._scale[s] ** 2 for s, q in enumerate(self._squares) if s not in skip)
         )
 
+    def measure(self, dropped: Sequence[int] = ()) -> tuple[float, list[int]]:
+        """The step's third phase: the global norm over every param except ``dropped`` and the
+        params that got no gradient on any rank (plus ``dropped``); one all-reduce, once."""
+        return self.total_norm(dropped), self.absent(dropped)
+
     def absent(self, dropped: Iterable[int] = ()) -> list[int]:
         """Params that got no gradient on any rank, plus ``dropped``."""
         self._measure()
@@ -232,7 +239,7 @@ class ReducedGrads:
 
     def zero(self, slots: Sequence[int]) -> None:
         """Set params ``slots``' gradients to zero (they still count as present)."""
-        self.finish()
+        self.finish_grad_sync()
         for slot in slots:  # model.zero_grad(set_to_none=False): one call per param anyway
             for frag in self._of_slot[slot]:
                 frag.grad.zero_()
@@ -249,7 +256,7 @@ class ReducedGrads:
         backward reduced for those params, and any scale recorded on their views."""
         if not hand:
             return
-        self.finish()  # the 16-bit copies and the reductions land before, not over them
+        self.finish_grad_sync()  # the 16-bit copies and the reductions land before, not over them
         for slot, grad in hand:
             flat = grad.detach().reshape(-1)
             for frag in self._of_slot[slot]:

@@ -58,7 +58,7 @@ from ..layout.buffers import Bucket
 from ..communication.comm import DataParallelGroup
 from .bf16_rounding import Rounding, round_into
 
-__all__ = ["Gather", "ParamSync", "PlainGather", "Publish", "as_words", "written_in_flight"]
+__all__ = ["Gather", "ParamSync", "PlainGather", "as_words", "written_in_flight"]
 
 log = logging.getLogger(__name__)
 
@@ -313,25 +313,6 @@ class ParamSync:
     def pending(self) -> tuple[bool, ...]:
         """Which buckets still hold values older than the last step."""
         return tuple(self._stale)
-
-
-class Publish:
-    """What follows a bucket's update: its fp32 masters become the gather's input (the param
-    shard, or an MXFP8 row), and its gather is launched (:meth:`ParamSync.launch`). Holds the
-    parts, not the optimizer, so the step plan does not keep the optimizer alive."""
-
-    def __init__(self, sync: ParamSync, mains: Sequence[torch.Tensor]) -> None:
-        self.sync, self.gather, self.mains = sync, sync.gather, tuple(mains)
-
-    def __call__(self, index: int) -> None:
-        self.gather.publish(index, self.mains[index])
-        self.sync.launch(index)
-
-    def all(self) -> None:
-        """Every bucket's fp32 masters -> the gather's input; every gather launched."""
-        for index in self.sync.order:
-            self.gather.publish(index, self.mains[index])
-        self.sync.start()
 
 
 def written_in_flight(detail: Optional[str], ranks: int) -> RuntimeError:

@@ -35,8 +35,16 @@ class RankState(Mapping[torch.Tensor, dict[str, Any]]):
     def __init__(self, table: ParamTable, fragments: Sequence[FragmentTensor], local: torch.optim.Optimizer) -> None:
         self._table, self._local = table, local
         self._fragment_of = {f.slot: f.param for f in fragments}
-        self.held = False
+        self._held = False
+
+    @property
+    def held(self) -> bool:
         """Whether any rank's wrapped optimizer holds state: the same on every rank."""
+        return self._held
+
+    def hold(self, held: bool) -> None:
+        """After an update (``True``) or a load (whether any rank holds state now)."""
+        self._held = held
 
     def __getitem__(self, param: torch.Tensor) -> dict[str, Any]:
         slot = self._table.find(param)
@@ -46,13 +54,13 @@ class RankState(Mapping[torch.Tensor, dict[str, Any]]):
         return self._local.state.get(fragment, {}) if fragment is not None else {}
 
     def __contains__(self, param: object) -> bool:
-        return self.held and self._table.find(param) is not None
+        return self._held and self._table.find(param) is not None
 
     def __iter__(self) -> Iterator[torch.Tensor]:
-        return iter(self._table.params if self.held else ())
+        return iter(self._table.params if self._held else ())
 
     def __len__(self) -> int:
-        return len(self._table) if self.held else 0
+        return len(self._table) if self._held else 0
 
 
 def held_on_any_rank(local: torch.optim.Optimizer, dp: DataParallelGroup, device: torch.device) -> bool:

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Optional
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional, Protocol
 
 import torch
 
@@ -37,21 +37,31 @@ STATE_DICT_WARNING = 10.0
 """Seconds a rank waits in ``state_dict()`` for the others before it warns, naming them."""
 
 
+class Republish(Protocol):
+    """What a state load needs of the gathers (:class:`~fxzero.optim.update.publish.Publish`):
+    a part handed over at construction, not two callbacks."""
+
+    def finish(self) -> None:
+        """Land every gather in flight."""
+
+    def all(self) -> None:
+        """Put every bucket's fp32 masters into what its gather sends, and launch every gather."""
+
+
 class ShardedState:
     """State methods over the parts of one runtime (rebuilt with it by ``add_param_group``).
     ``param_groups`` is the optimizer's own list (hyperparameters are read and loaded there);
-    ``finish_gathers`` lands every gather in flight, ``publish_and_gather`` puts the fp32 masters
-    into the params."""
+    ``republish`` lands the gathers in flight and puts the fp32 masters into the params."""
 
     def __init__(
         self, *, dp: DataParallelGroup, table: ParamTable, param_groups: list[dict[str, Any]], buffers: Sequence[ParamAndGradBuffer],
         shards: Sequence[BucketShard], fragments: Sequence[FragmentTensor], local: torch.optim.Optimizer, mesh_params: MeshParams,
-        timeout: float, finish_gathers: Callable[[], None], publish_and_gather: Callable[[], None], store: FragmentStore,
+        timeout: float, republish: Republish, store: FragmentStore,
         probe: StateProbe,
     ) -> None:  # fmt: skip
         self.dp, self.param_table, self.param_groups, self.buffers = dp, table, param_groups, buffers
         self.shards, self.fragments, self.local, self.mesh_params = shards, fragments, local, mesh_params
-        self.timeout, self.finish_param_sync, self._publish_and_gather = timeout, finish_gathers, publish_and_gather
+        self.timeout, self._republish = timeout, republish
         self.params = table.params
         self.store = store
         """Where the per-fragment state and fp32 masters are kept (:mod:`fxzero.optim.state.fragment_store`)."""
@@ -62,6 +72,14 @@ class ShardedState:
         """Each managed param's state as this rank holds it (``opt.state``, :mod:`fxzero.optim.state.rank_state`)."""
         self.consolidated: Optional[dict[str, Any]] = None
         """The whole state :meth:`consolidate_state_dict` left on this rank; dropped at the next ``step()``."""
+
+    def begin_step(self) -> None:
+        """A step starts: what :meth:`consolidate_state_dict` held is stale from here."""
+        self.consolidated = None
+
+    def stepped(self) -> None:
+        """The wrapped optimizer updated params: it holds state on every rank now."""
+        self.rank_state.hold(True)
 
     def consolidate_state_dict(self, to: Optional[int] = 0) -> None:
         """Gather the whole state onto rank ``to`` of the group (``None``: every rank;
@@ -79,7 +97,7 @@ class ShardedState:
         resume at the same world size, layout and rank: no collective, and every rank must
         save its own (``load_state_dict`` refuses another rank's, naming it). What
         ``state_dict()`` returned before fxzero 0.2, and what DTensor params still need."""
-        self.finish_param_sync()
+        self._republish.finish()
         return {
             "format": STATE_FORMAT,
             "world_size": self.dp.size,
@@ -108,7 +126,7 @@ class ShardedState:
             message = _not_collective(self.dp, call, err)
             self.dp.leave_note(message)  # the ranks that went on fail with it, not with "Connection closed by peer"
             raise RuntimeError(message) from None
-        self.finish_param_sync()
+        self._republish.finish()
         return self.consolidated_state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -233,11 +251,11 @@ class ShardedState:
         optimizer's state inside the block. Gathers in flight land first, so none lands
         over what is loaded; on exit the masters are published and gathered, so every
         param holds the loaded values."""
-        self.finish_param_sync()
+        self._republish.finish()
         yield
-        self._publish_and_gather()
-        self.finish_param_sync()
-        self.rank_state.held = held_on_any_rank(self.local, self.dp, self.params[0].device)
+        self._republish.all()
+        self._republish.finish()
+        self.rank_state.hold(held_on_any_rank(self.local, self.dp, self.params[0].device))
 
     def fragment_state(self, fragment: FragmentTensor) -> dict[str, Any]:
         """The wrapped optimizer's state of one of this rank's :attr:`fragments` (AdamW's

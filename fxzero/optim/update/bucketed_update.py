@@ -25,13 +25,23 @@ and the full lists are restored even when a step raises.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ..layout.validation import ELEMENTWISE_OPTIMIZERS, SHAPE_AWARE_OPTIMIZERS
 
-__all__ = ["BucketParts", "step_each_bucket", "updates_param_by_param"]
+__all__ = ["BucketParts", "ByBucket", "step_each_bucket", "updates_param_by_param"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ByBucket:
+    """The plan of a bucket-at-a-time step: one bucket at a time, in ``order``, calling
+    ``after(bucket)`` after each (:class:`~fxzero.optim.update.publish.Publish`)."""
+
+    order: tuple[int, ...]
+    after: Callable[[int], None]
 
 
 def updates_param_by_param(optimizer_class: type) -> bool:

@@ -42,7 +42,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from ... import _torch_compat as compat
-from .bucketed_update import BucketParts, step_each_bucket
+from .bucketed_update import BucketParts, ByBucket, step_each_bucket
 from ..layout.shards import FragmentTensor
 from ..state.state_dict import copy_hyperparameters, hyperparameters
 from ..layout.validation import ELEMENTWISE_OPTIMIZERS
@@ -121,15 +121,6 @@ def place_of(frag: FragmentTensor, group: int, bucket: int) -> Place:
 
 def _storage(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
-
-
-@dataclasses.dataclass(frozen=True)
-class ByBucket:
-    """Step one bucket at a time, in ``order``, calling ``after(bucket)`` after each
-    (:mod:`fxzero.optim.update.bucketed_update`)."""
-
-    order: tuple[int, ...]
-    after: Callable[[int], None]
 
 
 class FlatUpdate:
