@@ -76,7 +76,7 @@ class InsertedNode:
     index: int
     """Position in the graph's node list (placeholders included)."""
     op: str
-    manager: int
+    manager_index: int
     """Index of the optimizer among the Dynamo graph's managers (:attr:`GraphDumper.managers`)."""
     bucket: int
 
@@ -92,8 +92,8 @@ def inserted_nodes(gm: fx.GraphModule) -> tuple[InsertedNode, ...]:
     for index, node in enumerate(gm.graph.nodes):
         for key, op in _OPS.items():
             if key in node.meta:
-                manager, bucket = node.meta[key]
-                found.append(InsertedNode(node.name, index, op, manager, bucket))
+                manager_index, bucket = node.meta[key]
+                found.append(InsertedNode(node.name, index, op, manager_index, bucket))
     return tuple(found)
 
 
@@ -169,7 +169,7 @@ class GraphDumper:
         self.recorder = recorder
         self.dir = resolve_dump_dir(dump_dir)
         # a record must keep neither optimizers nor params alive
-        self._owners = [weakref.ref(manager) for manager in managers]
+        self._managers = [weakref.ref(manager) for manager in managers]
         self._params = {m.position: weakref.ref(inputs[m.position]) for m in managed} if inputs else {}
         self.managed, self.names = list(managed), list(names)
         self.parts: dict[str, _Part] = {}
@@ -179,7 +179,7 @@ class GraphDumper:
     @property
     def managers(self) -> list[Any]:
         """The optimizers whose params the graph reads (None for one since dropped)."""
-        return [ref() for ref in self._owners]
+        return [ref() for ref in self._managers]
 
     def param(self, position: int) -> Optional[torch.Tensor]:
         """The managed param that was the graph's input ``position`` when it compiled."""
@@ -260,7 +260,7 @@ class GraphDumper:
             "graph_id": self.graph_id.name,
             "stem": self.stem,
             "kinds": sorted(self.parts),
-            "buckets": sorted({(m.manager, m.bucket) for m in self.managed}),
+            "buckets": sorted({(m.manager_index, m.bucket) for m in self.managed}),
             "summary": f"{self.stem}_summary.json",
         }
         index = self.dir / "summary.json"
@@ -284,12 +284,12 @@ class GraphDumper:
             "rank": dist.get_rank() if ranked else 0,
             "world_size": dist.get_world_size() if ranked else 1,
             "params": [
-                {"input": m.position, "name": self._name(m.position), "optimizer": m.manager, "bucket": m.bucket}
+                {"input": m.position, "name": self._name(m.position), "optimizer": m.manager_index, "bucket": m.bucket}
                 for m in self.managed
             ],
             "buckets": [
-                self._bucket_summary(manager, index)
-                for manager, index in sorted({(m.manager, m.bucket) for m in self.managed})
+                self._bucket_summary(manager_index, index)
+                for manager_index, index in sorted({(m.manager_index, m.bucket) for m in self.managed})
             ],
             "graphs": {kind: self._part_summary(part) for kind, part in self.parts.items()},
         }
@@ -297,14 +297,14 @@ class GraphDumper:
     def _name(self, position: int) -> str:
         return self.names[position] if position < len(self.names) else f"input {position}"
 
-    def _bucket_summary(self, manager: int, index: int) -> dict[str, Any]:
-        optimizer = self.managers[manager]
+    def _bucket_summary(self, manager_index: int, index: int) -> dict[str, Any]:
+        optimizer = self.managers[manager_index]
         bucket = next(b for b in optimizer.runtime.buckets if b.index == index)
         padded = bucket.param_data.numel()
         return {
-            "optimizer": manager,
+            "optimizer": manager_index,
             "index": index,
-            "params": [self._name(m.position) for m in self.managed if (m.manager, m.bucket) == (manager, index)],
+            "params": [self._name(m.position) for m in self.managed if (m.manager_index, m.bucket) == (manager_index, index)],
             "params_in_bucket": len(bucket.params),
             "numel": sum(p.numel() for p in bucket.params),
             "padded_numel": padded,
@@ -319,7 +319,7 @@ class GraphDumper:
             "nodes_after": part.nodes_after,
             "files": [f"{self.stem}_{part.kind}_{name}.py" for name, _ in part.stages] if self.dir is not None else [],
             "inserted": [
-                {"name": n.name, "op": n.op, "optimizer": n.manager, "bucket": n.bucket, "index": n.index}
+                {"name": n.name, "op": n.op, "optimizer": n.manager_index, "bucket": n.bucket, "index": n.index}
                 for n in part.inserted
             ],
         }

@@ -28,7 +28,7 @@ import logging
 import os
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Literal, Optional, Sequence, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import torch
 import torch.fx as fx
@@ -43,11 +43,67 @@ from .passes.bucket_reduce_scatter import ManagedParam
 from .passes.matchers import is_grads_ready
 from .passes.param_gather_wait import hoist_waits_above_readers, params_returned
 
-__all__ = ["GraphCompiler", "managed_params"]
+__all__ = ["GraphCompiler", "GraphPositions", "managed_params"]
 
 log = logging.getLogger(__name__)
 
 Passes = Callable[..., fx.GraphModule]
+
+
+@dataclasses.dataclass(frozen=True)
+class GraphPositions:
+    """Where a graph's managed params are, in the two index spaces a compiler meets: Dynamo's
+    input positions (``dynamo_*``: what the compiled Dynamo graph is called with) and
+    AOTAutograd's flattened ones (``flat_*``: what fxzero's passes index; a DTensor param is
+    its local tensor there). One record, so no collection is read in the wrong space."""
+
+    num_flat_inputs: int
+    manager_count: int
+    """How many optimizers manage params of the graph (``ManagedParam.manager_index`` < this)."""
+    flat_handed: tuple[ManagedParam, ...]
+    """Those whose gradients the backward hands to fxzero."""
+    dynamo_handed: tuple[ManagedParam, ...]
+    """The same by Dynamo input position."""
+    flat_to_dynamo: Mapping[int, int]
+    """A handed param's flattened position -> its Dynamo position."""
+    unwaited: frozenset[int]
+    """Manager indices whose gathers never overlap a forward: no wait in the graph, the counting
+    wrapper checks instead that none is in flight (it runs on every call)."""
+    flat_waited: tuple[ManagedParam, ...]
+    """Managed params that get a gather wait."""
+    flat_returned: frozenset[int]
+    """Every managed param: the forward returns them as they are."""
+    dynamo_unmanaged: tuple[int, ...]
+    """Params no optimizer managed at compile time: one built later has no wait in this graph
+    (:func:`~fxzero.compiled.binding.counting_forward` checks for that on every call)."""
+
+    @classmethod
+    def of(cls, example_inputs: Sequence[Any], managed: Sequence[ManagedParam], forward_waits: Sequence[bool],
+           hooked: frozenset[int]) -> "GraphPositions":  # fmt: skip
+        """A DTensor param's gradient keeps autograd's path (the eager post-accumulate hook
+        takes it, in its own placement): AOTAutograd rebuilds each gradient of a DTensor input
+        as a DTensor from the backward's outputs, and the hand-off's None there fails in
+        DTensor.__tensor_unflatten__. So does a param with tensor hooks (``hooked``), so that
+        they see its gradient; both still get their gather waits."""
+        flat, num_inputs = compat.flat_input_positions(example_inputs)
+        handed = tuple(m for m in managed if not compat.is_dtensor(example_inputs[m.position]) and m.position not in hooked)
+        unwaited = frozenset(m.manager_index for m in handed if not forward_waits[m.manager_index])
+        known = {m.position for m in managed}
+        return cls(
+            num_flat_inputs=num_inputs,
+            manager_count=len(forward_waits),
+            flat_handed=tuple(dataclasses.replace(m, position=flat[m.position]) for m in handed),
+            dynamo_handed=handed,
+            flat_to_dynamo={flat[m.position]: m.position for m in handed},
+            unwaited=unwaited,
+            flat_waited=tuple(dataclasses.replace(m, position=flat[m.position]) for m in managed if m.manager_index not in unwaited),
+            flat_returned=frozenset(flat[m.position] for m in managed),
+            dynamo_unmanaged=tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter) and i not in known),
+        )
+
+    def dynamo_groups(self) -> list[tuple[int, ...]]:
+        """Each manager's handed params, by Dynamo position (what the counting wrapper reports)."""
+        return [tuple(m.position for m in self.dynamo_handed if m.manager_index == i) for i in range(self.manager_count)]
 
 
 class GraphCompiler:
@@ -55,45 +111,19 @@ class GraphCompiler:
 
     def __init__(
         self,
-        example_inputs: Sequence[Any],
-        managed: list[ManagedParam],
-        forward_waits: Sequence[bool],
+        positions: GraphPositions,
         *,
-        hooked: frozenset[int] = frozenset(),
         inductor: Optional[compat.InductorCompilers],
         dumper: Optional[dump.GraphDumper],
         graph_id: GraphId,
     ) -> None:
-        flat, self.num_inputs = compat.flat_input_positions(example_inputs)
-        self.managers = len(forward_waits)
-        # A DTensor param's gradient keeps autograd's path (the eager post-accumulate hook
-        # takes it, in its own placement): AOTAutograd rebuilds each gradient of a DTensor
-        # input as a DTensor from the backward's outputs, and the hand-off's None there fails
-        # in DTensor.__tensor_unflatten__. So does a param with tensor hooks (``hooked``), so
-        # that they see its gradient; both still get their gather waits.
-        handed = [m for m in managed if not compat.is_dtensor(example_inputs[m.position]) and m.position not in hooked]
-        self.handed = [dataclasses.replace(m, position=flat[m.position]) for m in handed]
-        """Those whose gradients the backward hands to fxzero (flattened positions)."""
-        self.dynamo_handed = handed
-        """The same by Dynamo input position (what the compiled Dynamo graph is called with)."""
-        self.unwaited = frozenset(m.manager for m in handed if not forward_waits[m.manager])
-        """Managers whose gathers never overlap a forward: no wait in the graph, the counting
-        wrapper checks instead that none is in flight (it runs on every call)."""
-        self.managed = [dataclasses.replace(m, position=flat[m.position]) for m in managed if m.manager not in self.unwaited]
-        """Managed params by AOTAutograd's flattened input position (what fxzero's passes
-        index: a DTensor param is its local tensor there) that get a gather wait."""
-        self.returned = frozenset(flat[m.position] for m in managed)
-        """Every managed param (flattened position): the forward returns them as they are."""
-        self._to_dynamo = {flat[m.position]: m.position for m in handed}
-        known = {m.position for m in managed}
-        self.unmanaged = tuple(i for i, x in enumerate(example_inputs) if isinstance(x, torch.nn.Parameter) and i not in known)
-        """Params no optimizer managed at compile time: one built later has no wait in this
-        graph (:func:`~fxzero.compiled.binding.counting_forward` checks for that on every call)."""
+        self.positions = positions
         self.inductor, self.dumper = inductor, dumper
         self.id = graph_id
         """The graph's one id (:mod:`fxzero.compiled.graph_id`), its dump's and explain's too."""
         self.delivered: frozenset[int] = frozenset()
-        """Forward input positions whose gradients the backward hands to fxzero."""
+        """Forward input positions (Dynamo's) whose gradients the backward hands to fxzero:
+        known once the joint graph is partitioned, which AOTAutograd does before it returns."""
 
     @classmethod
     def for_graph(
@@ -113,23 +143,25 @@ class GraphCompiler:
             _warn_if_unmanaged(example_inputs, graph_id)
         names = compat.dynamo_input_names(gm)
         for m in managed:  # messages about a param built without a name can give its module path
-            managers[m.manager].param_table.learn_alias(example_inputs[m.position], names[m.position])
+            managers[m.manager_index].param_table.learn_alias(example_inputs[m.position], names[m.position])
         hooked = _hooked_positions(example_inputs, managed, names)
         dumper = None
         if recorder is not None or dump.resolve_dump_dir(dump_dir) is not None or compat.tracing() or dump.log.isEnabledFor(logging.INFO):
             dumper = dump.GraphDumper(dump_dir, managers, managed, names, example_inputs, recorder, graph_id)
         inductor = compat.InductorCompilers(gm, len(example_inputs)) if inner_compiler == "inductor" else None
-        return cls(example_inputs, managed, forward_waits, hooked=frozenset(hooked), inductor=inductor, dumper=dumper, graph_id=graph_id)
+        positions = GraphPositions.of(example_inputs, managed, forward_waits, frozenset(hooked))
+        return cls(positions, inductor=inductor, dumper=dumper, graph_id=graph_id)
 
     # ---- AOTAutograd's hooks ---------------------------------------------------------
     def partition(self, joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule]:
         # AOTAutograd also partitions higher-order-op subgraphs with this function: only the
         # graph whose primals are our inputs gets the launches.
         primals = joint_inputs[0] if isinstance(joint_inputs, tuple) and len(joint_inputs) == 2 else ()
-        if len(primals) == self.num_inputs:
-            passes = functools.partial(run_joint_passes, managed=self.handed, num_fwd_outputs=kwargs["num_fwd_outputs"])
+        positions = self.positions
+        if len(primals) == positions.num_flat_inputs:
+            passes = functools.partial(run_joint_passes, managed=list(positions.flat_handed), num_fwd_outputs=kwargs["num_fwd_outputs"])
             joint = self._run("joint", joint, joint_inputs, passes)
-            self.delivered = frozenset(self._to_dynamo[p] for p in _delivered_positions(joint))
+            self.delivered = frozenset(positions.flat_to_dynamo[p] for p in _delivered_positions(joint))
         inner = compat.inductor_partition if self.inductor is not None else default_partition
         return inner(joint, joint_inputs, **kwargs)
 
@@ -148,13 +180,14 @@ class GraphCompiler:
     def counting(self, compiled: Callable) -> Callable:
         """The compiled Dynamo graph, telling each manager after every run which gradients
         the backward from its outputs will deliver."""
-        if not self.handed and not self.unmanaged:
+        positions = self.positions
+        if not positions.flat_handed and not positions.dynamo_unmanaged:
             return compiled
-        groups = [tuple(m.position for m in self.dynamo_handed if m.manager == o) for o in range(self.managers)]
-        unwaited = [group[0] for manager, group in enumerate(groups) if manager in self.unwaited]
+        groups = positions.dynamo_groups()
+        unwaited = [group[0] for index, group in enumerate(groups) if index in positions.unwaited]
         # Dynamo disables the wrapper as it would ``compiled``: one disable layer per call, not two.
         return counting_forward(
-            self.id, groups, lambda: self.delivered, compat.undisabled(compiled), unwaited=unwaited, unmanaged=self.unmanaged
+            self.id, groups, self.delivered, compat.undisabled(compiled), unwaited=unwaited, unmanaged=positions.dynamo_unmanaged
         )
 
     # ---- internals ---------------------------------------------------------------------
@@ -164,7 +197,7 @@ class GraphCompiler:
         return self.dumper.around(kind, gm, lambda g, observe: passes(g, example_inputs, observe=observe))
 
     def _forward_graph(self, kind: str, gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        gm = self._run(kind, gm, example_inputs, functools.partial(run_forward_passes, managed=self.managed))
+        gm = self._run(kind, gm, example_inputs, functools.partial(run_forward_passes, managed=list(self.positions.flat_waited)))
         if self.inductor is None:
             return make_boxed_func(gm.forward)
         # Inductor's own FX rewrites run after fxzero's passes: the last of them puts any
@@ -172,13 +205,13 @@ class GraphCompiler:
         # forward returns for the backward are returned as they are (no layout copy made
         # at the graph's start, before the waits, nor handed to the backward's hand-off:
         # see compat.InductorCompilers).
-        keep = params_returned(gm, self.returned)
+        keep = params_returned(gm, self.positions.flat_returned)
         with compat.inductor_post_grad_pass(hoist_waits_above_readers, _pass_uuid()):
             return self.inductor.forward(gm, example_inputs, is_inference=kind == "inference", keep_outputs=keep)
 
 
 def managed_params(example_inputs: Sequence[Any]) -> tuple[list[Any], list[ManagedParam], tuple[bool, ...]]:
-    """The optimizers owning params among ``example_inputs`` (first appearance first),
+    """The optimizers managing params among ``example_inputs`` (first appearance first),
     those params, as each optimizer's ``runtime.binding`` describes them, and whether a forward must
     wait for each optimizer's gathers."""
     managers: list[Any] = []

@@ -32,7 +32,7 @@ def test_each_launch_goes_after_its_buckets_last_grad() -> None:
 def test_grads_missing_from_the_graph_are_not_planned_and_ties_keep_bucket_order() -> None:
     managed = [ManagedParam(0, 0, 2), ManagedParam(1, 0, 1), ManagedParam(2, 1, 0)]
     plan = plan_launches(managed, producer={0: 4, 1: 4})  # position 2 has no gradient here
-    assert [(launch.manager, launch.bucket) for launch in plan.launches] == [(0, 1), (0, 2)]
+    assert [(launch.manager_index, launch.bucket) for launch in plan.launches] == [(0, 1), (0, 2)]
     assert plan_launches([], producer={}).launches == ()
 
 

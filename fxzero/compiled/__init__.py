@@ -1,1 +1,1 @@
-"""What compiled graphs call at run time: the ``fxzero::`` custom ops, the binding of a graph to the optimizer that owns its params, and the counting wrapper around each compiled forward."""
+"""What compiled graphs call at run time: the ``fxzero::`` custom ops, the binding of a graph to the optimizer that manages its params (its manager), and the counting wrapper around each compiled forward."""

@@ -1,4 +1,4 @@
-"""How compiled graphs reach the optimizer that owns their params, without holding it.
+"""How compiled graphs reach the optimizer that manages their params (their manager), without holding it.
 
 A compiled graph is plain code: it knows which of its inputs are managed params (by
 position) and where its passes put the ops, nothing else. Each op call carries the params
@@ -58,11 +58,14 @@ class ManagerRef(weakref.ref):
     __slots__ = ()
 
     def __reduce__(self) -> tuple[Any, tuple[()]]:
-        return (_no_owner, ())
+        return (_no_manager, ())
 
 
-def _no_owner() -> None:
+def _no_manager() -> None:
     return None
+
+
+_no_owner = _no_manager  # what params pickled before fxzero 0.3 name
 
 
 def manager_of(param: Any) -> Any:
@@ -222,9 +225,9 @@ class GraphBinding:
             slots = [self._slot(params[i]) for i in indices]
             consecutive = slots == list(range(slots[0], slots[0] + len(slots)))
             span = slice(slots[0], slots[0] + len(slots)) if consecutive else None
-            managers = [self.table.params[slot] for slot in slots]  # a DTensor's, for its local tensor
-            main_grads = [param.main_grad for param in managers]
-            nodes = tuple(grad_accumulator(param) for param in managers)
+            table_params = [self.table.params[slot] for slot in slots]  # a DTensor's, for its local tensor
+            main_grads = [param.main_grad for param in table_params]
+            nodes = tuple(grad_accumulator(param) for param in table_params)
             labels = tuple(self.table.label(slot) for slot in slots)
             groups.append(_Group(bucket, None if whole else tuple(indices), main_grads, torch.tensor(slots), span, nodes, labels))
         return tuple(groups)
@@ -277,7 +280,7 @@ class GraphBinding:
 def counting_forward(
     graph: GraphId,
     positions: Sequence[Sequence[int]],
-    delivered: Callable[[], frozenset[int]],
+    delivered: frozenset[int],
     compiled: Callable[..., Any],
     *,
     unwaited: Sequence[int] = (),
@@ -285,7 +288,7 @@ def counting_forward(
 ) -> Callable[..., Any]:
     """Wrap a compiled Dynamo graph so that each run that builds an autograd graph tells
     the manager of each group of ``positions`` (one per optimizer) which gradients its
-    backward will deliver (``delivered()``: known once the graph is partitioned).
+    backward will deliver (``delivered``: the Dynamo positions the joint graph's hand-offs take).
     ``unwaited``: the position of one param of each optimizer the graph has no wait for;
     before each run their optimizers land any gather still in flight
     (:meth:`GraphBinding.land_all`), which a graph compiled with waits does itself.
@@ -299,20 +302,20 @@ def counting_forward(
     def run(*args: Any) -> Any:
         for position in unwaited:
             binding_of(args[position]).land_all()
-        if late is not None and any(map(hasattr, late(args), _OWNER_ATTRIBUTE)):
+        if late is not None and any(map(hasattr, late(args), _MANAGER_ATTRIBUTE)):
             _land_adopted(graph, late(args))
         outputs = compiled(*args)
         node = backward_node(outputs)
         if node is not None:
             for group, params_of in groups:
                 params = params_of(args)
-                binding_of(params[0]).forward_ran(graph, params, group, delivered(), node)
+                binding_of(params[0]).forward_ran(graph, params, group, delivered, node)
         return outputs
 
     return run
 
 
-_OWNER_ATTRIBUTE = itertools.repeat("_fxzero_manager")
+_MANAGER_ATTRIBUTE = itertools.repeat("_fxzero_manager")
 
 
 def _land_adopted(graph: GraphId, params: Sequence[Any]) -> None:

@@ -32,7 +32,7 @@ class Explained:
 
     def bucket_of(self, graph: "Graph", node: "InsertedNode") -> Optional[int]:
         """The bucket behind a node inserted in ``graph``, if it belongs to this optimizer."""
-        return node.bucket if graph.dumper.managers[node.manager] is self.optimizer else None
+        return node.bucket if graph.dumper.managers[node.manager_index] is self.optimizer else None
 
     def params_of(self, graph: "Graph") -> list[tuple[str, str, int]]:
         """``(forward placeholder, module path, bucket)`` of this optimizer's params in ``graph``."""
@@ -42,7 +42,7 @@ class Explained:
         managers = graph.dumper.managers
         found = []
         for m in sorted(graph.dumper.managed, key=lambda m: m.position):
-            if managers[m.manager] is self.optimizer and m.position < len(forward.placeholders):
+            if managers[m.manager_index] is self.optimizer and m.position < len(forward.placeholders):
                 param = graph.dumper.param(m.position)
                 found.append((forward.placeholders[m.position], self.names.get(id(param), "?"), m.bucket))
         return found

@@ -68,8 +68,8 @@ class ManagedParam:
 
     position: int
     """Forward input index (= gradient index)."""
-    manager: int
-    """Index of its optimizer among the graph's managers."""
+    manager_index: int
+    """Index of its manager (the DistributedOptimizer) among the graph's managers."""
     bucket: int
     """Its bucket at compile time (plans group by it)."""
     numel: int = 0
@@ -80,7 +80,7 @@ class ManagedParam:
 class BucketLaunch:
     """One hand-off: a group of one bucket's gradients; the bucket's last launches it."""
 
-    manager: int
+    manager_index: int
     bucket: int
     positions: tuple[int, ...]
     """Forward input positions of the group's gradients in this graph."""
@@ -91,7 +91,7 @@ class BucketLaunch:
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
     launches: tuple[BucketLaunch, ...]
-    """In insertion order: by ``after``, then manager and bucket index."""
+    """In insertion order: by ``after``, then manager index and bucket index."""
 
     @property
     def positions(self) -> tuple[int, ...]:
@@ -111,13 +111,13 @@ def plan_launches(
     buckets: dict[tuple[int, int], list[ManagedParam]] = {}
     for grad in sorted(managed, key=lambda g: (producer.get(g.position, -1), g.position)):
         if grad.position in producer:
-            buckets.setdefault((grad.manager, grad.bucket), []).append(grad)
+            buckets.setdefault((grad.manager_index, grad.bucket), []).append(grad)
     launches = []
-    for (manager, bucket), grads in buckets.items():
+    for (manager_index, bucket), grads in buckets.items():
         for group in _cut(grads, handoff_numel):
             positions = tuple(sorted(g.position for g in group))
-            launches.append(BucketLaunch(manager, bucket, positions, max(producer[p] for p in positions)))
-    launches.sort(key=lambda launch: (launch.after, launch.manager, launch.bucket))
+            launches.append(BucketLaunch(manager_index, bucket, positions, max(producer[p] for p in positions)))
+    launches.sort(key=lambda launch: (launch.after, launch.manager_index, launch.bucket))
     return LaunchPlan(tuple(launches))
 
 
@@ -156,7 +156,7 @@ def insert_launches(gm: fx.GraphModule, plan: LaunchPlan, num_fwd_outputs: int) 
         with graph.inserting_after(anchor_of.get(at, nodes[at])):
             call = graph.call_function(torch.ops.fxzero.grads_ready.default, (grads, [primals[p] for p in launch.positions]))
         call.meta["val"] = torch.empty(0, device=grads[0].meta["val"].device) if "val" in grads[0].meta else None
-        call.meta[LAUNCH_META] = (launch.manager, launch.bucket)
+        call.meta[LAUNCH_META] = (launch.manager_index, launch.bucket)
         copy_node_provenance([nodes[launch.after], *grads], call)
         anchor_of[at] = call
         for k, position in enumerate(launch.positions):
@@ -175,7 +175,7 @@ def check_launch_contract(gm: fx.GraphModule, plan: LaunchPlan, num_fwd_outputs:
     positions = plan.positions
     if len(set(positions)) != len(positions):
         raise RuntimeError(f"fxzero: a managed gradient feeds more than one bucket launch: {sorted(positions)}")
-    keys = [(launch.after, launch.manager, launch.bucket) for launch in plan.launches]
+    keys = [(launch.after, launch.manager_index, launch.bucket) for launch in plan.launches]
     if keys != sorted(keys):
         raise RuntimeError("fxzero: bucket launches are not in (graph order, bucket) order")
     grads = graph_output(gm.graph).args[0][num_fwd_outputs:]

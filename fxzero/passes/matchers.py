@@ -16,9 +16,9 @@ from ..compiled import ops  # noqa: F401  defines the fxzero:: ops the passes in
 __all__ = ["LAUNCH_META", "WAIT_META", "copy_node_provenance", "graph_output", "is_grads_ready", "is_module_entered", "is_wait_params", "remove_module_marks"]
 
 LAUNCH_META = "fxzero_launch"
-"""``node.meta`` key of an inserted ``grads_ready``: ``(manager, bucket)`` it was planned for."""
+"""``node.meta`` key of an inserted ``grads_ready``: ``(manager_index, bucket)`` it was planned for."""
 WAIT_META = "fxzero_wait"
-"""``node.meta`` key of an inserted ``wait_params``: ``(manager, bucket)`` it was planned for."""
+"""``node.meta`` key of an inserted ``wait_params``: ``(manager_index, bucket)`` it was planned for."""
 
 _PROVENANCE_KEYS = ("stack_trace", "nn_module_stack", "source_fn_stack", "seq_nr", "fwd_nn_module_stack")
 

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class GatherWait:
-    manager: int
+    manager_index: int
     bucket: int
     positions: tuple[int, ...]
     """Forward input positions of the bucket's params in this graph."""
@@ -62,7 +62,7 @@ class GatherWait:
 @dataclasses.dataclass(frozen=True)
 class WaitPlan:
     waits: tuple[GatherWait, ...]
-    """By ``before``, then manager and bucket."""
+    """By ``before``, then manager index and bucket."""
 
 
 def plan_waits(managed: Sequence[ManagedParam], readers: Mapping[int, Sequence[int]], output: int) -> WaitPlan:
@@ -70,12 +70,12 @@ def plan_waits(managed: Sequence[ManagedParam], readers: Mapping[int, Sequence[i
     (or the output node, when the forward only saves the params for backward)."""
     groups: dict[tuple[int, int], list[int]] = {}
     for param in sorted(managed, key=lambda g: g.position):
-        groups.setdefault((param.manager, param.bucket), []).append(param.position)
+        groups.setdefault((param.manager_index, param.bucket), []).append(param.position)
     waits = []
-    for (manager, bucket), positions in groups.items():
+    for (manager_index, bucket), positions in groups.items():
         reads = sorted({r for p in positions for r in readers.get(p, ())})
-        waits.append(GatherWait(manager, bucket, tuple(positions), reads[0] if reads else output, tuple(reads)))
-    waits.sort(key=lambda w: (w.before, w.manager, w.bucket))
+        waits.append(GatherWait(manager_index, bucket, tuple(positions), reads[0] if reads else output, tuple(reads)))
+    waits.sort(key=lambda w: (w.before, w.manager_index, w.bucket))
     return WaitPlan(tuple(waits))
 
 
@@ -103,7 +103,7 @@ def insert_waits(gm: fx.GraphModule, plan: WaitPlan) -> fx.GraphModule:
         with graph.inserting_before(nodes[wait.before]):
             call = graph.call_function(torch.ops.fxzero.wait_params.default, (params,))
         call.meta["val"] = None
-        call.meta[WAIT_META] = (wait.manager, wait.bucket)
+        call.meta[WAIT_META] = (wait.manager_index, wait.bucket)
         copy_node_provenance([nodes[wait.before]], call)
     graph.lint()
     gm.recompile()

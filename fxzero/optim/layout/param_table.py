@@ -73,12 +73,13 @@ class ParamTable:
         groups: Sequence[dict[str, Any]],
         names: dict[int, str],
         bucket_of: dict[int, int],
-        manager_of: Optional[dict[int, int]] = None,
+        owner_of: Optional[dict[int, int]] = None,
     ) -> "ParamTable":
-        """Rows for ``groups``' params in group order; ``names``, ``bucket_of`` and ``manager_of``
-        are keyed by ``id(param)`` (of params held alive by ``groups``)."""
+        """Rows for ``groups``' params in group order; ``names``, ``bucket_of`` and ``owner_of``
+        (under whole-param ownership, the rank that owns each param) are keyed by ``id(param)``
+        (of params held alive by ``groups``)."""
         pairs = [(g, p) for g, group in enumerate(groups) for p in group["params"]]
-        owners = manager_of or {}
+        owners = owner_of or {}
         rows = [ParamRow(slot, p, names.get(id(p)), g, bucket_of[id(p)], owners.get(id(p))) for slot, (g, p) in enumerate(pairs)]
         return cls(rows, num_groups=len(groups))
 
