@@ -169,7 +169,7 @@ class Config:
     params of a bucket do not split evenly over ranks (``fxzero.explain`` shows it).
 
     ``"auto"`` (the default): ``"elementwise"`` for the torch.optim classes known to be
-    elementwise (``fxzero.optim.layout.validation.ELEMENTWISE_OPTIMIZERS``), ``"whole_params"`` for
+    elementwise (``fxzero.optim.layout.optimizer_classes.ELEMENTWISE_OPTIMIZERS``), ``"whole_params"`` for
     every other class, subclasses and third-party optimizers included: an optimizer fxzero
     does not know is served exactly. Say ``"elementwise"`` for one you know is (Lion) to
     get the even split."""

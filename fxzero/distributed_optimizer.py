@@ -41,7 +41,8 @@ from .optim.layout.layout_agreement import check_ranks_agree, describe_layout
 from .optim.layout.ownership import Balance, balance
 from .optim.layout.param_table import ParamTable
 from .optim.params.ddp_guard import refuse_ddp_module
-from .optim.layout.validation import check_leaves, check_param_groups_kept, resolve_state_sharding
+from .optim.layout.optimizer_classes import resolve_state_sharding
+from .optim.layout.validation import check_leaves, check_param_groups_kept
 from .optim.state.added_groups import carried_over, pending_gradients
 from .optim.state.rank_state import RankState
 from .optim.state.state_dict import copy_hyperparameters

@@ -71,7 +71,8 @@ from .optim.state.state_dict import hyperparameters
 from .optim.update.bucketed_update import ByBucket, updates_param_by_param
 from .optim.update.flat_update import FlatUpdate, place_of
 from .optim.update.publish import Publish
-from .optim.update.shard_adam import ADAM_CLASSES, UNSUPPORTED_FLAGS, ShardAdamW
+from .optim.update.precision_checks import check_precision
+from .optim.update.shard_adam import ShardAdamW
 from .optim.state.fragment_store import TorchOptimStore
 
 __all__ = ["Runtime", "build_runtime"]
@@ -207,7 +208,8 @@ def build_runtime(
     reductions = GradReductions(buckets, dp, ledger, reduction_for(buckets, dp, described), described=described,
                                 landing=param_sync if reuse else None,  # gather bytes sit in the grad buffer: land a bucket first
                                 divide_factor=config.gradient_divide_factor)  # fmt: skip
-    own_update = _check_precision(config, optimizer_class, manager.param_groups, table)
+    own_update = _own_update(config)
+    check_precision(config, optimizer_class, manager.param_groups, table, own_update=own_update)
     shards, fragments = build_shards(buffers, table, dp.rank, separate_mains=config.mxfp8_param_gather, remainders=config.param_remainders)
     if own_update:
         local: torch.optim.Optimizer = _shard_adam(config, optimizer_class, manager.param_groups, table, fragments)
@@ -254,37 +256,6 @@ def _local_optimizer(
 def _own_update(config: Config) -> bool:
     """Whether fxzero's own Adam update steps (:mod:`fxzero.optim.update.shard_adam`)."""
     return config.moment_dtypes != ("fp32", "fp32") or config.param_remainders
-
-
-def _check_precision(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable) -> bool:
-    """Refuse precision options this optimizer or these params cannot have, naming them; returns :func:`_own_update`."""
-    own = _own_update(config)
-    option = _precision_option(config)
-    if own and optimizer_class not in ADAM_CLASSES:
-        raise ValueError(
-            f"fxzero: {option} steps with fxzero's own Adam update, which only torch.optim.Adam and torch.optim.AdamW have; "
-            f"{optimizer_class.__name__} keeps its state as it defines it (leave {option.split('=')[0]} at its default, or use torch.optim.AdamW)"
-        )
-    for index, group in enumerate(groups if own else ()):
-        for flag in UNSUPPORTED_FLAGS:
-            if group.get(flag):
-                raise ValueError(f"fxzero: {option}: fxzero's own Adam update does not implement {flag}=True (param_groups[{index}])")
-    dtypes = {p.dtype for p in table.params}
-    if (config.param_remainders or config.param_rounding != "auto") and torch.bfloat16 not in dtypes:
-        flag = "param_remainders=True" if config.param_remainders else f"param_rounding={config.param_rounding!r}"
-        raise ValueError(f"fxzero: Config.{flag} applies to bf16 params, and every managed param is {sorted(map(str, dtypes))}")
-    if config.param_remainders and torch.float16 in dtypes:
-        slot = next(s for s, p in enumerate(table.params) if p.dtype == torch.float16)
-        raise ValueError(f"fxzero: Config.param_remainders=True keeps remainders of bf16 params; param {table.label(slot)!r} is float16")
-    return own
-
-
-def _precision_option(config: Config) -> str:
-    """The option that asks for fxzero's own update, as the user set it (refusals name it)."""
-    for name in ("optimizer_state_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
-        if getattr(config, name) not in (None, "fp32"):
-            return f"Config.{name}={getattr(config, name)!r}"
-    return "Config.param_remainders=True"
 
 
 def _shard_adam(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable,

@@ -9,12 +9,20 @@ from __future__ import annotations
 import difflib
 import warnings
 
-import inspect
 import logging
 import operator
 from typing import Any, Optional, Sequence
 
 import torch
+
+# the class catalogues and what they decide live in their own module; imported from here too
+from .optimizer_classes import (
+    ELEMENTWISE_OPTIMIZERS,
+    SHAPE_AWARE_OPTIMIZERS,
+    check_first_order,
+    require_optimizer_class,
+    resolve_state_sharding,
+)
 
 __all__ = [
     "ELEMENTWISE_OPTIMIZERS",
@@ -43,7 +51,7 @@ def check_optimizer_kwargs(
     ``params`` (label, param) are the tensors it will get whole (whole-param ownership); the
     probe then takes each of their numbers of dimensions, so an optimizer that refuses some
     params (Muon: 2-D only) is reported naming such a param, not blaming the keywords."""
-    _require_optimizer_class(optimizer_class)
+    require_optimizer_class(optimizer_class)
     ndims = sorted({max(p.dim(), 1) for _, p in params}) if params else [1]
     probes = {ndim: _probe(optimizer_class, kwargs, ndim) for ndim in ndims}
     working = [p for p in probes.values() if isinstance(p, torch.optim.Optimizer)]
@@ -68,11 +76,6 @@ def _probe(optimizer_class: type, kwargs: dict[str, Any], ndim: int) -> Any:
         return optimizer_class([torch.zeros((1,) * ndim)], **kwargs)
     except (TypeError, ValueError) as error:
         return error
-
-
-def _require_optimizer_class(optimizer_class: Any) -> None:
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
 
 
 def check_group_keys(groups: Sequence[dict[str, Any]], defaults: dict[str, Any], optimizer_class: type) -> None:
@@ -162,64 +165,6 @@ def layout_order(
     if not inside:
         raise ValueError("module holds none of the optimizer's params; pass the model they belong to")
     return tuple(inside) + tuple(p for p in params if id(p) not in rank)
-
-
-def check_first_order(optimizer_class: type) -> None:
-    """Optimizers whose ``step`` requires a closure (``torch.optim.LBFGS``) re-evaluate
-    the model between inner updates and take dot products over all params together; with
-    the params split over ranks (fragments or whole params) neither can work, so they are
-    refused up front. ``torch.optim.SparseAdam`` takes sparse gradients only, which never
-    exist here (gradients are reduced into flat dense buffers)."""
-    if optimizer_class is torch.optim.SparseAdam:
-        raise ValueError(
-            "SparseAdam takes sparse gradients only (nn.Embedding(sparse=True)); fxzero reduces every gradient into "
-            "flat dense buffers, so SparseAdam would refuse each of them. Use Adam/AdamW (dense, same update on the "
-            "rows that have gradients) with fxzero, or SparseAdam with the plain model."
-        )
-    closure = inspect.signature(optimizer_class.step).parameters.get("closure")
-    if closure is not None and closure.default is inspect.Parameter.empty:
-        raise ValueError(
-            f"{optimizer_class.__name__}.step(closure) needs a closure that it calls repeatedly, re-evaluating the "
-            "model between its own inner updates and computing curvature over all params together; fxzero splits the "
-            "params over ranks (each updates 1/dp of them), so it cannot run it. Use "
-            f"{optimizer_class.__name__} with the plain model (or DDP), or a first-order optimizer (SGD, Adam, AdamW)."
-        )
-
-
-ELEMENTWISE_OPTIMIZERS = tuple(
-    getattr(torch.optim, name)
-    for name in ("Adadelta", "Adagrad", "Adam", "Adamax", "AdamW", "ASGD", "NAdam", "RAdam", "RMSprop", "Rprop", "SGD")
-)
-"""The classes whose update of each element reads only that element's gradient and state
-(plus per-param scalars that depend on the step count alone), so updating 1-D fragments of
-a param gives bitwise the same values as updating the param (``tests/test_optim_db.py`` runs
-torch's own table of their configurations)."""
-
-
-SHAPE_AWARE_OPTIMIZERS = tuple(getattr(torch.optim, name) for name in ("Adafactor", "Muon") if hasattr(torch.optim, name))
-"""torch.optim classes whose update reads a param's shape: never elementwise."""
-
-
-def resolve_state_sharding(optimizer_class: type, setting: str) -> bool:
-    """Whether ``optimizer_class`` gets whole-param ownership under ``Config.state_sharding``.
-
-    ``"auto"`` gives fragments (1-D, each rank 1/dp of each param) only to the classes known
-    to be elementwise. An update that reads a param's shape or combines its elements
-    (Adafactor, Muon, Shampoo, LAMB's and LARS's trust ratios) would silently train another
-    optimizer on fragments, so every other class, subclasses included (their ``step`` may
-    differ), gets whole params: served exactly, at the cost of uneven shards."""
-    _require_optimizer_class(optimizer_class)
-    check_first_order(optimizer_class)
-    if setting == "elementwise" and optimizer_class in SHAPE_AWARE_OPTIMIZERS:
-        raise ValueError(
-            f"Config(state_sharding='elementwise') cannot serve {optimizer_class.__name__}: its update reads each "
-            "param's shape (a 1-D fragment of a matrix is another optimizer's input). Use state_sharding='auto' or "
-            "'whole_params'."
-        )
-    whole = setting == "whole_params" or (setting == "auto" and optimizer_class not in ELEMENTWISE_OPTIMIZERS)
-    if whole and setting == "auto":
-        log.info("fxzero: %s is not known to be elementwise: each param is owned whole by one rank", optimizer_class.__name__)
-    return whole
 
 
 def check_leaves(group: dict[str, Any], group_index: int) -> None:
