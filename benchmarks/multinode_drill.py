@@ -28,6 +28,7 @@ train_gpt.py (e.g. ``--train-args=--instances 2`` for one optimizer replica per 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import shlex
@@ -40,6 +41,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 import time
 from pathlib import Path
+from typing import Iterator
 
 from restart_drill import MODEL, REPO, final_tensors, last_losses
 
@@ -157,6 +159,17 @@ def _seconds_to_error(survivor: Agent, since: float, timeout: float) -> float | 
     return None
 
 
+@contextlib.contextmanager
+def _job_dir(keep: Path | None) -> Iterator[str]:
+    """``keep`` (made if missing), or a temporary directory removed afterwards."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        yield str(keep)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        yield tmp
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=16)
@@ -166,8 +179,9 @@ def main() -> int:
     p.add_argument("--compile", choices=["inductor", "eager", "none"], default="inductor", help="train_gpt.py's --compile")
     p.add_argument("--train-args", default="", help="more train_gpt.py flags, one string")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one wait may take")
+    p.add_argument("--keep", type=Path, default=None, help="keep both jobs' checkpoints here (uninterrupted/, node_lost/)")
     args = p.parse_args()
-    with tempfile.TemporaryDirectory() as tmp:
+    with _job_dir(args.keep) as tmp:
         plain, lost = Path(tmp) / "uninterrupted", Path(tmp) / "node_lost"
         with ThreadPoolExecutor(2) as pool:  # both jobs at once: each is mostly process start-up and rendezvous
             jobs = pool.submit(run_job, plain, args, None), pool.submit(run_job, lost, args, args.lose_at)

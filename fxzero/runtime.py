@@ -3,8 +3,9 @@
 A step has three communication phases, all on buffers laid out once at construction:
 
 1. **reduce-scatter** (launched during backward when :class:`~fxzero.optim.gradients.ledger.Ledger`
-   says a bucket is ready, finished at the top of ``step()``): each bucket's ``grad_data`` is
-   averaged over ranks into this rank's pre-made shard view of it (:attr:`Runtime.reductions`);
+   says a bucket is ready, finished by ``step()``'s ``finish_grad_sync``): each bucket's ``grad_data`` is
+   averaged over ranks into this rank's pre-made shard view of it (:attr:`Runtime.reductions`; the
+   collective is a :class:`~fxzero.optim.gradients.reduction.Reduction`, picked here as the gather is);
 2. **shard update**: one small all-reduce carries each param's squared grad norm over this rank's
    fragments and a "got a gradient" flag (:attr:`Runtime.reduced`); then the wrapped ``torch.optim``
    optimizer (:attr:`Runtime.local`) updates the fp32 main fragments of this rank's shards only
@@ -23,9 +24,13 @@ Between backward and ``step()`` each managed param's ``.grad`` is a view of its 
 its views and takes values written into them since into its fp32 masters (:attr:`Runtime.param_watch`).
 Each step gives every rank rank 0's module buffers, as DDP does (:attr:`Runtime.buffer_sync`).
 
+``step()`` runs them as named phases: finish param sync, finish grad sync, measure,
+:meth:`Runtime.update_and_gather`, :meth:`Runtime.end_step`.
+
 Why one function: it is the one place that reads the :class:`~fxzero.Config` for the runtime;
-every part gets plain values (a flag, a factor) and the parts it needs, at construction (no
-callback is assigned later). Hooks and compiled graphs hold the parts, never the optimizer: when
+every part gets plain values (a flag, a factor) and the parts it needs, at construction, not
+callbacks (the one left is the ``.grad`` views' weak call of ``opt.zero_grad()``, the only
+upward call), and none is assigned later. Hooks and compiled graphs hold the parts, never the optimizer: when
 the optimizer goes away its hooks go too, or a successor optimizer would see every gradient twice.
 
 ``opt.runtime`` is a read-only surface for tests, benchmarks and tools (``opt.runtime.ledger``,
@@ -71,8 +76,7 @@ from .optim.state.state_dict import hyperparameters
 from .optim.update.bucketed_update import ByBucket, updates_param_by_param
 from .optim.update.flat_update import FlatUpdate, place_of
 from .optim.update.publish import Publish
-from .optim.update.precision_checks import check_precision
-from .optim.update.shard_adam import ShardAdamW
+from .optim.update.shard_adam import ADAM_CLASSES, UNSUPPORTED_FLAGS, ShardAdamW
 from .optim.state.fragment_store import TorchOptimStore
 
 __all__ = ["Runtime", "build_runtime"]
@@ -208,8 +212,7 @@ def build_runtime(
     reductions = GradReductions(buckets, dp, ledger, reduction_for(buckets, dp, described), described=described,
                                 landing=param_sync if reuse else None,  # gather bytes sit in the grad buffer: land a bucket first
                                 divide_factor=config.gradient_divide_factor)  # fmt: skip
-    own_update = _own_update(config)
-    check_precision(config, optimizer_class, manager.param_groups, table, own_update=own_update)
+    own_update = _check_precision(config, optimizer_class, manager.param_groups, table)
     shards, fragments = build_shards(buffers, table, dp.rank, separate_mains=config.mxfp8_param_gather, remainders=config.param_remainders)
     if own_update:
         local: torch.optim.Optimizer = _shard_adam(config, optimizer_class, manager.param_groups, table, fragments)
@@ -256,6 +259,37 @@ def _local_optimizer(
 def _own_update(config: Config) -> bool:
     """Whether fxzero's own Adam update steps (:mod:`fxzero.optim.update.shard_adam`)."""
     return config.moment_dtypes != ("fp32", "fp32") or config.param_remainders
+
+
+def _check_precision(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable) -> bool:
+    """Refuse precision options this optimizer or these params cannot have, naming them; returns :func:`_own_update`."""
+    own = _own_update(config)
+    option = _precision_option(config)
+    if own and optimizer_class not in ADAM_CLASSES:
+        raise ValueError(
+            f"fxzero: {option} steps with fxzero's own Adam update, which only torch.optim.Adam and torch.optim.AdamW have; "
+            f"{optimizer_class.__name__} keeps its state as it defines it (leave {option.split('=')[0]} at its default, or use torch.optim.AdamW)"
+        )
+    for index, group in enumerate(groups if own else ()):
+        for flag in UNSUPPORTED_FLAGS:
+            if group.get(flag):
+                raise ValueError(f"fxzero: {option}: fxzero's own Adam update does not implement {flag}=True (param_groups[{index}])")
+    dtypes = {p.dtype for p in table.params}
+    if (config.param_remainders or config.param_rounding != "auto") and torch.bfloat16 not in dtypes:
+        flag = "param_remainders=True" if config.param_remainders else f"param_rounding={config.param_rounding!r}"
+        raise ValueError(f"fxzero: Config.{flag} applies to bf16 params, and every managed param is {sorted(map(str, dtypes))}")
+    if config.param_remainders and torch.float16 in dtypes:
+        slot = next(s for s, p in enumerate(table.params) if p.dtype == torch.float16)
+        raise ValueError(f"fxzero: Config.param_remainders=True keeps remainders of bf16 params; param {table.label(slot)!r} is float16")
+    return own
+
+
+def _precision_option(config: Config) -> str:
+    """The option that asks for fxzero's own update, as the user set it (refusals name it)."""
+    for name in ("optimizer_state_dtype", "exp_avg_dtype", "exp_avg_sq_dtype"):
+        if getattr(config, name) not in (None, "fp32"):
+            return f"Config.{name}={getattr(config, name)!r}"
+    return "Config.param_remainders=True"
 
 
 def _shard_adam(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable,

@@ -23,6 +23,7 @@ from fxzero.optim.gradients.grad_views import ShardedGrad
 from fxzero.testing import run_ranks
 
 from models import batch, build, forward_kwargs, loss_fn, param_groups
+from parity_checks import assert_parity
 
 LR, CLIP, BUCKET = 1e-2, 0.5, 2000
 
@@ -89,9 +90,7 @@ def _train_reference(run: Run) -> dict:
 def check_parity(run: Run, world: int) -> None:
     reference = _train_reference(run)
     for result in run_ranks(world, _train_compiled, run, timeout=300):
-        torch.testing.assert_close(result["losses"], reference["losses"], atol=1e-5, rtol=0)
-        for key, value in reference["params"].items():
-            torch.testing.assert_close(result["params"][key], value, atol=1e-4, rtol=0, msg=key)
+        assert_parity(result, reference, loss_atol=1e-5, param_atol=1e-4)
     assert reference["losses"][-1] < reference["losses"][0], "the loss must move for parity to mean anything"
 
 

@@ -60,7 +60,7 @@ def package_modules() -> list[str]:
 
 def test_the_design_map_names_every_module() -> None:
     modules = package_modules()
-    assert len(modules) > 100  # the package's modules, found from the files
+    assert len(modules) >= 90  # the package's modules, found from the files (100 on 2026-11-28)
     assert missing_modules(map_entries(DESIGN.read_text()), modules) == []
 
 

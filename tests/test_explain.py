@@ -15,6 +15,7 @@ from expecttest import TestCase
 import fxzero
 from fxzero.optim.communication.comm import DataParallelGroup
 from fxzero.target import load_target
+from derived_layout import derive_layout
 from models import GPT, GPTArgs
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,6 +130,7 @@ def forward(self, primals_1, 0.weight, 0.bias, 2.weight, 2.bias, relu, detach, t
     launch_bucket1 = torch.ops.fxzero.grads_ready.default([t_8, view_1], [0.weight, 0.bias])  # <- fxzero: launch bucket 1's reduction (its grads from this graph are in)
     return (None, None, None, None, None)
 """)
+        self.assertIn(derive_layout(list(model.parameters()), 1, 32).summary_line(), text)  # the figures, from the rules
         _assert_as_found(opt, found)
 
     def test_graph_break_golden_bucket_spans_both_graphs(self) -> None:
@@ -321,7 +323,8 @@ def test_summary_of_the_example_fits_a_screen(mlp_world_2: dict[str, Any]) -> No
     lines = mlp_world_2["text"].splitlines()
     assert len(lines) <= 40 and max(map(len, lines)) <= 120, (len(lines), max(map(len, lines)))
     assert lines[0].startswith("fxzero explain: ResidualMLP, world size 2, bucket size 5,000, inner compiler eager")
-    assert "2 buckets: 9,060 param elements in 9,216 buffer elements (1.7% padding), float32 params, float32 grads" in lines
+    model, _ = load_target(str(ROOT / "examples" / "explain_mlp.py"), "fxzero_explain", "")()
+    assert derive_layout(list(model.parameters()), 2, 5000).summary_line() + ", float32 params, float32 grads" in lines
     assert re.search(r"^buckets read by several graphs: 0 \(graphs (\d+/0), (?!\1)\d+/0\)$", mlp_world_2["text"], re.M), lines
     assert not any(line.startswith("def forward") for line in lines)  # the graphs' code is --full's
 
