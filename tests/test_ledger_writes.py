@@ -42,10 +42,11 @@ def _chain(node: ast.expr) -> list[str]:
             return names[::-1]
 
 
-def _below_a_ledger(node: ast.expr) -> bool:
-    """Whether ``node`` names something inside a ledger (not the ledger itself)."""
+def _below_a_ledger(node: ast.expr, names: frozenset[str] = LEDGER_NAMES) -> bool:
+    """Whether ``node`` names something inside a ledger (not the ledger itself); ``names``: how
+    the part is spelt (a ledger's by default)."""
     chain = _chain(node)
-    return any(name in LEDGER_NAMES for name in chain[:-1])
+    return any(name in names for name in chain[:-1])
 
 
 def _targets(node: ast.AST) -> list[ast.expr]:
@@ -69,30 +70,31 @@ def _targets(node: ast.AST) -> list[ast.expr]:
     return flat
 
 
-def _is_write(node: ast.AST) -> bool:
-    if any(isinstance(t, (ast.Attribute, ast.Subscript)) and _below_a_ledger(t) for t in _targets(node)):
+def _is_write(node: ast.AST, names: frozenset[str] = LEDGER_NAMES) -> bool:
+    if any(isinstance(t, (ast.Attribute, ast.Subscript)) and _below_a_ledger(t, names) for t in _targets(node)):
         return True
     if not isinstance(node, ast.Call):
         return False
     func = node.func
     if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args:
         target = node.args[0]
-        return _chain(target)[-1] in LEDGER_NAMES or _below_a_ledger(target)
+        return _chain(target)[-1] in names or _below_a_ledger(target, names)
     if isinstance(func, ast.Attribute):
         in_place = (func.attr.endswith("_") and not func.attr.startswith("__")) or func.attr in MUTATORS
         receiver = func.value  # the in-place method's object: a field of a ledger, not the ledger
-        return in_place and isinstance(receiver, (ast.Attribute, ast.Subscript)) and _below_a_ledger(receiver)
+        return in_place and isinstance(receiver, (ast.Attribute, ast.Subscript)) and _below_a_ledger(receiver, names)
     return False
 
 
-def ledger_writes(root: Path, owner: Path) -> list[str]:
-    """``file:line: source`` of each write to a ledger's field under ``root`` outside ``owner``."""
+def ledger_writes(root: Path, owner: Path, names: frozenset[str] = LEDGER_NAMES) -> list[str]:
+    """``file:line: source`` of each write to a ledger's field (or to that of the part spelt
+    ``names``) under ``root`` outside ``owner``."""
     found = []
     for path in sorted(root.rglob("*.py")):
         if path == owner:
             continue
         source = path.read_text()
-        writes = sorted((node.lineno, ast.get_source_segment(source, node)) for node in ast.walk(ast.parse(source)) if _is_write(node))
+        writes = sorted((node.lineno, ast.get_source_segment(source, node)) for node in ast.walk(ast.parse(source)) if _is_write(node, names))
         found += [f"{path.relative_to(root.parent)}:{line}: {text}" for line, text in writes]
     return found
 
