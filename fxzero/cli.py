@@ -21,7 +21,7 @@ step finishes every all-gather and the forward graphs carry no wait).
 
 It prints the summary (bucket table, each graph's schedule, the collectives of a step);
 ``--full`` adds the graphs' code, ``--json FILE`` writes the facts as JSON and
-``--timeline FILE.png`` draws the schedule (matplotlib). Graphs are compiled with
+``--timeline FILE.png`` draws the schedule on a step's estimated time (matplotlib). Graphs are compiled with
 Inductor, as training compiles them (``--inner-compiler eager``: faster, other graphs).
 
 It runs in one process, without a process group (world size 1). ``--world-size N``
@@ -176,7 +176,7 @@ def _explain_parser(commands: Any) -> None:
     explain.add_argument("--full", action="store_true", help="also print every compiled graph's code, fxzero's nodes marked")
     explain.add_argument("--json", metavar="FILE", default=None, help="write buckets, graphs, schedule and collectives as JSON")
     explain.add_argument(
-        "--timeline", metavar="FILE.png", default=None, help="draw where each bucket launches and waits per graph (matplotlib)"
+        "--timeline", metavar="FILE.png", default=None, help="draw when each bucket launches and waits, on a step's estimated time (matplotlib)"
     )
     explain.add_argument(
         "--dump-dir", default=None, help="also write every graph before/after each pass, diffs and summary.json here"

@@ -24,6 +24,7 @@ import torch
 from .data import as_data, write_json
 from .explained import Explained
 from .graphs import render_graphs
+from .node_costs import measure_speed
 from .recording import param_names, record
 from .summary import render_summary
 
@@ -93,7 +94,10 @@ def explain(
     if dump_dir is not None:
         options["dump_dir"] = dump_dir
     graphs = record(model, example_inputs, optimizer, options, example_kwargs, loss_fn)
-    explained = Explained(optimizer, graphs, param_names(model), type(model).__name__, inner_compiler)
+    speed = None
+    if json_file is not None or timeline_file is not None:  # estimated times: this machine's speeds
+        speed = measure_speed(next((p.device for p in model.parameters()), torch.device("cpu")))
+    explained = Explained(optimizer, graphs, param_names(model), type(model).__name__, inner_compiler, speed)
     if json_file is not None or timeline_file is not None:
         data = as_data(explained)
         if json_file is not None:

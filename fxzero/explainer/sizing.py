@@ -113,7 +113,7 @@ class SizeReport:
     def text(self) -> str:
         head = (f"fxzero explain --size: {self.model}, {self.params:,} params; dp {self.dp} ({self.instances} instance"
                 f"{'s' * (self.instances != 1)} of {self.shard_ranks} shard ranks), tp {self.tp}; "
-                f"{len(self.buckets)} buckets, {self.buffer_elements:,} buffer elements per rank")  # fmt: skip
+                f"{len(self.buckets)} bucket{'s' * (len(self.buckets) != 1)}, {self.buffer_elements:,} buffer elements per rank")  # fmt: skip
         lines = [head, ""]
         if self.activations is not None:
             lines += [f"activations: one eager forward+backward on fake tensors of the batch {self.activations.inputs}", ""]
