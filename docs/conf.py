@@ -24,7 +24,7 @@ author = "fxzero developers"
 copyright = "fxzero developers, BSD-3-Clause"
 release = version = fxzero.__version__
 
-extensions = ["myst_parser", "sphinx.ext.autodoc", "repo_links"]
+extensions = ["myst_parser", "sphinx.ext.autodoc", "sphinx.ext.napoleon", "repo_links"]
 source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "_ext"]

@@ -21,7 +21,7 @@ step finishes every all-gather and the forward graphs carry no wait).
 
 It prints the summary (bucket table, each graph's schedule, the collectives of a step);
 ``--full`` adds the graphs' code, ``--json FILE`` writes the facts as JSON and
-``--timeline FILE.png`` draws the schedule (matplotlib). Graphs are compiled with
+``--timeline FILE.png`` draws the schedule on a step's estimated time (matplotlib). Graphs are compiled with
 Inductor, as training compiles them (``--inner-compiler eager``: faster, other graphs).
 
 It runs in one process, without a process group (world size 1). ``--world-size N``
@@ -176,7 +176,7 @@ def _explain_parser(commands: Any) -> None:
     explain.add_argument("--full", action="store_true", help="also print every compiled graph's code, fxzero's nodes marked")
     explain.add_argument("--json", metavar="FILE", default=None, help="write buckets, graphs, schedule and collectives as JSON")
     explain.add_argument(
-        "--timeline", metavar="FILE.png", default=None, help="draw where each bucket launches and waits per graph (matplotlib)"
+        "--timeline", metavar="FILE.png", default=None, help="draw when each bucket launches and waits, on a step's estimated time (matplotlib)"
     )
     explain.add_argument(
         "--dump-dir", default=None, help="also write every graph before/after each pass, diffs and summary.json here"
@@ -198,20 +198,31 @@ def _size_flags(explain: argparse.ArgumentParser) -> None:
     size.add_argument("--states-per-element", type=int, default=2, help="the wrapped optimizer's states (AdamW 2, default)")
     size.add_argument("--bandwidth", type=_tolerance("--bandwidth"), default=None, metavar="GB/s",
                       help="per-link bandwidth: adds each collective's time from Inductor's NCCL model")  # fmt: skip
+    size.add_argument("--transport", choices=("nccl", "gloo"), default="nccl",
+                      help="the default bucket size's, and gloo's exchange scratch (default nccl)")  # fmt: skip
+    size.add_argument("--batch", type=_whole("--batch"), default=None, metavar="N",
+                      help="per-rank batch: the example inputs' first dim becomes N for the activations")  # fmt: skip
 
 
 def _size(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    from .explainer.activations import estimate_activations
     from .explainer.sizing import size_run
 
     factory = load_target(args.target, _DEFAULT_FUNCTION, _RETURNS)
     result = factory()
-    model = result if isinstance(result, torch.nn.Module) else unpack(result, getattr(factory, "__name__", args.target)).model
+    target = None if isinstance(result, torch.nn.Module) else unpack(result, getattr(factory, "__name__", args.target))
+    model = result if target is None else target.model
     config = Config(bucket_size="auto" if args.bucket_size is None else None if args.bucket_size == "none" else args.bucket_size,
                     pad_for_high_busbw=args.pad_for_high_busbw, optimizer_state_dtype=args.optimizer_state_dtype,
                     param_remainders=args.param_remainders)  # fmt: skip
+    activations = None
+    if target is not None and (target.inputs or target.kwargs):  # a batch to run: its activations too
+        inputs, kwargs = (_rebatched(v, args.batch) for v in (target.inputs, target.kwargs))
+        activations = estimate_activations(model, inputs, kwargs, target.loss_fn)
     try:
         report = size_run(model, args.world_size or 1, tp=args.tp, instances=args.instances, config=config,
-                          states_per_element=args.states_per_element, bandwidth_gbps=args.bandwidth)  # fmt: skip
+                          states_per_element=args.states_per_element, bandwidth_gbps=args.bandwidth,
+                          transport=args.transport, activations=activations)  # fmt: skip
     except ValueError as error:
         parser.error(str(error))
     if args.json is not None:
@@ -219,9 +230,24 @@ def _size(args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
     return report.text()
 
 
+def _rebatched(value: Any, batch: Optional[int]) -> Any:
+    """``value`` with each tensor's first dim made ``batch`` (a meta tensor: only its shape is read)."""
+    if batch is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        shape = (batch, *value.shape[1:]) if value.dim() else value.shape
+        return torch.empty(shape, dtype=value.dtype, device="meta")
+    if isinstance(value, dict):
+        return {key: _rebatched(item, batch) for key, item in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rebatched(item, batch) for item in value)
+    return value
+
+
 SIZE_SCHEMA = 1
 """``--size --json``: ``{"schema": 1, "size": {model, params, dp, tp, instances, buffer_elements, buckets,
-param_bytes, grad_bytes, state_bytes, master_bytes, scratch_bytes, total_bytes, bytes_per_param,
+param_bytes, grad_bytes, state_bytes, master_bytes, scratch_bytes, exchange_bytes, transport, total_bytes,
+bytes_per_param, activations: null or {inputs, saved_bytes, peak_bytes}, peak_bytes (null without activations),
 collectives: [{op, count, bytes, ring_bytes_per_rank, ms}]}}``."""
 
 

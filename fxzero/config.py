@@ -35,6 +35,17 @@ def default_bucket_size(dp_size: int, backend: str = "nccl") -> int:
     fixed per-collective cost (the "Gradients" paragraph of docs/design.md has the measurements), so
     the bucket size only decides when a bucket can launch: a 40M bucket holds a whole small
     model, which then launches only when backward ends.
+
+    Args:
+        dp_size: ranks in the data-parallel group.
+        backend: the process group's backend name (``"nccl"``, ``"gloo"``, ...).
+
+    Returns:
+        Elements per bucket.
+
+    Example::
+
+        fxzero.default_bucket_size(64)  # 64_000_000 on NCCL
     """
     if backend == "gloo":
         return GLOO_BUCKET_SIZE
@@ -43,7 +54,22 @@ def default_bucket_size(dp_size: int, backend: str = "nccl") -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Options of :class:`fxzero.DistributedOptimizer` (and, later, the compiler passes)."""
+    """Options of :class:`fxzero.DistributedOptimizer` (and, later, the compiler passes).
+
+    Args:
+        Every field below, by keyword; each is described under it. All have defaults.
+
+    Raises:
+        TypeError: a field of the wrong type (a flag that is not a bool, a bucket size that is
+            not an int, ``"auto"`` or ``None``).
+        ValueError: a value outside its choices or range (a bucket size of 0, an unknown
+            ``grad_collective``, ``reuse_grad_buf_for_mxfp8_param_ag`` without
+            ``mxfp8_param_gather``).
+
+    Example::
+
+        config = fxzero.Config(bucket_size=20_000_000, overlap_param_gather=True)
+    """
 
     bucket_size: Union[int, Literal["auto"], None] = "auto"
     """Elements per gradient bucket before it closes. ``"auto"`` is

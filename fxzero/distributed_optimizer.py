@@ -72,6 +72,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     DTensor params placed over the mesh's other dims (tensor parallelism) train eagerly or
     compiled (``backend="fxzero"``), their local tensors in the buffers, the gradient norm taken over the whole mesh
     (:mod:`fxzero.optim.layout.mesh`).
+
+    Args:
+        params: params, ``named_parameters()`` pairs or param-group dicts.
+        optimizer_class: the ``torch.optim.Optimizer`` subclass each rank runs on its shard.
+        process_group: the data-parallel group or a 1-D ``DeviceMesh`` (default: the world).
+        config: :class:`fxzero.Config` (default ``Config()``).
+        module: the model, so the layout follows its registration order.
+        **defaults: the wrapped optimizer's hyperparameters (``lr=1e-3``, ``weight_decay=0.1``).
+
+    Raises:
+        TypeError: ``config`` is not a Config, ``optimizer_class`` not an Optimizer subclass,
+            or ``process_group`` neither a group, a 1-D mesh nor ``None``.
+        ValueError: an empty param list, or ranks that lay out different params (raised on
+            every rank, naming the difference).
+
+    Example::
+
+        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, module=model)
     """
 
     _step_supports_amp_scaling = True

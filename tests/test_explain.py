@@ -382,3 +382,43 @@ def test_explain_and_the_cli_compile_with_inductor_by_default(monkeypatch: pytes
     fxzero.explain(model, torch.randn(2, 4), optimizer=opt)
     assert seen == [{"inner_compiler": "inductor"}]
     assert _parser().parse_args(["explain", "x.py"]).inner_compiler == "inductor"
+
+
+def test_json_and_timeline_give_estimated_times_from_the_graphs_costs(mlp_world_2: dict[str, Any]) -> None:
+    """Each part's estimated ms, and each event's ms into its part: node k starts after nodes
+    0..k-1, so events keep the order of their nodes and fall inside the part."""
+    data = mlp_world_2["data"]
+    assert re.fullmatch(r"\d+ GFLOP/s, [\d.]+ GB/s, measured on cpu", data["conditions"]["speed"])
+    for graph in data["graphs"]:
+        for part in graph["parts"].values():
+            assert part["ms"] > 0
+            events = sorted(part["launches"] + part["handoffs"] + part["waits"], key=lambda e: e["node"])
+            times = [e["ms"] for e in events]
+            assert times == sorted(times) and all(0 <= t <= part["ms"] for t in times)
+
+
+def test_node_costs_are_a_matmuls_flops_and_the_bytes_it_reads_and_writes() -> None:
+    """(8 x 16) @ (16 x 32): 2 * 8 * 16 * 32 FLOPs, reading 8*16 + 16*32 and writing 8*32 fp32
+    elements; relu reads and writes 8*32 and does no FLOP torch counts; a view moves nothing."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fxzero.explainer.node_costs import Speed, node_costs
+
+    gm = make_fx(lambda a, b: torch.mm(a, b).relu().t())(torch.randn(8, 16), torch.randn(16, 32))
+    costs = {n.target.__name__ if callable(n.target) else n.target: c for n, c in zip(gm.graph.nodes, node_costs(gm))}
+    assert costs["mm.default"] == (2 * 8 * 16 * 32, (8 * 16 + 16 * 32 + 8 * 32) * 4)
+    assert costs["relu.default"] == (0, 2 * 8 * 32 * 4)
+    assert costs["t.default"] == (0, 0)
+    speed = Speed(flops=1e9, bytes=1e9, device="cpu")
+    assert speed.seconds(8192, 3584) == pytest.approx(8.192e-6)  # compute-bound: FLOPs / peak
+
+
+def test_one_bucket_is_said_in_the_singular() -> None:
+    from fxzero.explainer.sizing import size_run
+    from fxzero.explainer.timeline import _conditions
+
+    assert "; 1 bucket, " in size_run(torch.nn.Linear(4, 4), 2).text()
+    conditions = {"bucket_size": None, "collectives_assume": None, "backend": "gloo", "world_size": 2, "overlap_param_gather": False,
+                  "inner_compiler": "eager", "fxzero": "0", "torch": "2"}  # fmt: skip
+    text = _conditions({"conditions": conditions, "buckets": [{}], "collectives": {"reduction": None}}, "today")
+    assert "; 1 bucket; " in text and "buckets" not in text

@@ -1,7 +1,8 @@
 """``fxzero explain --size`` (:func:`fxzero.explainer.sizing.size_run`): bytes per rank derived by
 hand for a layout with no padding, Megatron-LM's bytes-per-param formula on Llama-3-8B's shapes,
-and the prediction against the buffers and state a real DistributedOptimizer allocates at world 2
-and 4 (the main job's GPT, ``examples/train_gpt.py``)."""
+the prediction against the buffers, state and scratch a real DistributedOptimizer allocates at world 2
+and 4 (the main job's GPT, ``examples/train_gpt.py``), activations derived by hand for a small MLP, and
+the predicted peak per rank against the peak of torch's allocated bytes in real training steps."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 import fxzero
+from fxzero.explainer.activations import estimate_activations
 from fxzero.explainer.sizing import size_run
 from fxzero.testing import run_ranks
 
@@ -61,6 +64,38 @@ def test_llama3_8b_matches_megatrons_bytes_per_param(dp: int, tp: int) -> None:
     assert report.total_bytes == pytest.approx(megatron, rel=0.01)  # padding, and 1-dim params whole under tp
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_activations_of_a_small_mlp_derived_by_hand(device: str) -> None:
+    """Linear(16, 32) -> ReLU -> Linear(32, 4), no biases, batch 8, fp32, backward from the sum.
+    When the forward returns, alive: ReLU's output r (8 x 32 x 4 = 1024 bytes, saved for its
+    backward and the second matmul's), the output (8 x 4 x 4 = 128) and the sum (4); the first
+    matmul's output died when ReLU replaced it. The backward's peak, at ReLU's backward: r, the
+    sum, its gradient (4: a ones scalar, expanded as a view), r's gradient (1024) and the
+    first matmul's output's gradient (1024); the output and the weights' gradients are gone
+    (dropped once accumulated, as fxzero hands them to its buffer)."""
+    with torch.device(device):
+        model = nn.Sequential(nn.Linear(16, 32, bias=False), nn.ReLU(), nn.Linear(32, 4, bias=False))
+        x = torch.empty(8, 16)
+    estimate = estimate_activations(model, (x,))
+    assert estimate.saved_bytes == 1024 + 128 + 4
+    assert estimate.peak_bytes == 1024 + 4 + 4 + 1024 + 1024
+    assert estimate.inputs == "(8, 16) float32"
+    assert all(p.grad is None for p in model.parameters())  # the model's own params were not touched
+
+
+def test_a_forward_that_reads_values_is_one_error_naming_the_way_out() -> None:
+    class ReadsValues(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.w * x[: int(x.sum().item())]
+
+    with pytest.raises(RuntimeError, match="could not run on fake tensors .* without example inputs"):
+        estimate_activations(ReadsValues(), (torch.ones(3),))
+
+
 def _measured(_: object) -> dict[str, int]:
     sys.path.insert(0, str(ROOT / "examples"))
     from train_gpt import ModelArgs, Transformer
@@ -72,7 +107,7 @@ def _measured(_: object) -> dict[str, int]:
     model(ids, ids).backward()
     opt.step()  # AdamW makes its state
     buffers = sum(b.nbytes for b in opt.buffers)
-    return {"buffers": buffers, "state": opt.state_bytes, "scratch": opt.runtime_bytes - buffers}
+    return {"buffers": buffers, "state": opt.state_bytes, "scratch": opt.runtime_bytes - buffers, "rank": dist.get_rank()}
 
 
 @pytest.mark.slow
@@ -82,7 +117,52 @@ def test_prediction_is_what_the_optimizer_allocates(world: int) -> None:
     from train_gpt import ModelArgs, Transformer
 
     model = Transformer(ModelArgs(vocab_size=256, block_size=64, dim=64, n_layer=2, n_head=4))
-    for rank, measured in enumerate(run_ranks(world, _measured, None)):
-        predicted = size_run(model, world, config=fxzero.Config(bucket_size=None), rank=rank)  # one bucket: gloo's default
+    for measured in run_ranks(world, _measured, None):
+        predicted = size_run(model, world, transport="gloo", rank=measured["rank"])
         assert measured["buffers"] == predicted.param_bytes + predicted.grad_bytes
         assert measured["state"] == predicted.state_bytes + predicted.master_bytes
+        slots = 4 * (world - 1) * 2**20  # 4 receive slots of a 1 MiB chunk from each other rank
+        assert measured["scratch"] == predicted.exchange_bytes == slots
+
+
+def _size_check():
+    """benchmarks/size_check.py, imported on a rank too (a reused rank pool has the sys.path it started with)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import size_check
+
+    return size_check
+
+
+def _peak_on_rank(args: dict, batch: tuple[int, int]) -> dict:
+    return _size_check().work(args, batch, 2)
+
+
+@pytest.mark.slow
+def test_predicted_peak_is_within_10_percent_of_the_allocated_peak_of_training_steps() -> None:
+    """Measured: the most bytes torch's allocator held at once (the profiler's memory records,
+    every tensor from before the model is built) in the forward, backward and step of two eager
+    steps on 2 gloo ranks; predicted on the meta device with the same per-rank batch."""
+    args = dict(vocab_size=256, block_size=64, dim=64, n_layer=2, n_head=4)
+    for measured in run_ranks(2, _peak_on_rank, args, (4, 64), timeout=300):
+        report = _size_check().predicted(args, 2, measured["rank"], (4, 64))
+        assert report.activations is not None and report.activations.peak_bytes > 0.2 * report.peak_bytes  # activations matter here
+        assert measured["peak"] == pytest.approx(report.peak_bytes, rel=0.10), measured["where"]
+
+
+def test_cli_sizes_the_activations_of_the_targets_batch_or_of_batch_n(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """examples/size_gpt.py returns a meta GPT and a 2 x 64 batch; ``--batch 4`` doubles the
+    batch, so every activation tensor (all have the batch dim) doubles: the peak too."""
+    import json
+
+    from fxzero.cli import main
+
+    monkeypatch.chdir(ROOT)
+    sizes = {}
+    for batch in ([], ["--batch", "4"]):
+        out = tmp_path / f"size{len(batch)}.json"
+        assert main(["explain", "examples/size_gpt.py", "--size", "--world-size", "2", *batch, "--json", str(out)]) == 0
+        sizes[len(batch)] = json.loads(out.read_text())["size"]
+    two, four = sizes[0]["activations"], sizes[2]["activations"]
+    assert (two["inputs"], four["inputs"]) == ("(2, 64) int64, (2, 64) int64", "(4, 64) int64, (4, 64) int64")
+    assert four["saved_bytes"] == pytest.approx(2 * two["saved_bytes"], rel=0.01)
+    assert sizes[0]["peak_bytes"] == sizes[0]["total_bytes"] + two["peak_bytes"]

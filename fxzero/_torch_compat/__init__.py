@@ -55,6 +55,8 @@ from .distributed import __all__ as _distributed
 from .dtensor import *  # noqa: F403
 from .dtensor import __all__ as _dtensor
 from .dynamo import *  # noqa: F403
+from .fake import *  # noqa: F403
+from .fake import __all__ as _fake
 from .dynamo import __all__ as _dynamo
 from .inductor import *  # noqa: F403
 from .inductor import __all__ as _inductor
@@ -65,4 +67,4 @@ from .optimizer import __all__ as _optimizer
 from .tensors import *  # noqa: F403
 from .tensors import __all__ as _tensors
 
-__all__ = ["NEWEST_VERIFIED", "TORCH_VERSIONS", "unsupported_torch_message", *_autograd, *_distributed, *_dtensor, *_dynamo, *_inductor, *_modules, *_optimizer, *_tensors]
+__all__ = ["NEWEST_VERIFIED", "TORCH_VERSIONS", "unsupported_torch_message", *_autograd, *_distributed, *_dtensor, *_dynamo, *_fake, *_inductor, *_modules, *_optimizer, *_tensors]

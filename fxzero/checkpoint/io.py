@@ -100,6 +100,28 @@ def save_checkpoint(
     group's timeout, with a warning naming the late ranks after 30 s), with the same ``step``.
     A failure on any rank (disk full, a path that is a file) raises :class:`CheckpointError`
     on every rank and removes the partial ``.tmp-`` directory.
+
+    Args:
+        ckpt_dir: the directory the checkpoint's ``step_XXXXXXX`` directory goes in.
+        model: the module trained (its params and buffers).
+        optimizer: the :class:`~fxzero.DistributedOptimizer` training it (its sharded state).
+        step: the training step, an int >= 0: the checkpoint's name.
+        extra: JSON-serializable user data, or ``None``.
+        arrival_timeout: seconds the ranks may arrive apart (``None``: the process group's).
+        rng: also save each rank's generator states.
+
+    Returns:
+        The committed checkpoint's path.
+
+    Raises:
+        CheckpointError: the save failed on some rank (every rank raises), or ``extra`` is not
+            JSON-serializable.
+        TypeError: ``optimizer`` is not a DistributedOptimizer, or ``extra`` not a dict.
+        ValueError: ``step`` below 0 or not an int, or a bad ``arrival_timeout``.
+
+    Example::
+
+        fxzero.save_checkpoint("ckpt", model, opt, step=100, extra={"epoch": 2})
     """
     _check_args(optimizer, step, extra, arrival_timeout)
     dp = optimizer.dp
@@ -172,7 +194,28 @@ def load_checkpoint(
     mismatch or damage (a generator file's included) it raises :class:`CheckpointError`
     and leaves the model, optimizer and generators as they were;
     ``path=None`` (what :func:`latest_checkpoint` returns when there is no checkpoint)
-    raises it too, saying there is nothing to load."""
+    raises it too, saying there is nothing to load.
+
+    Args:
+        path: a checkpoint directory (``step_XXXXXXX``), as :func:`latest_checkpoint` returns it.
+        model: the module to load the params and buffers into.
+        optimizer: the :class:`~fxzero.DistributedOptimizer` to load the state into, at any world size.
+        arrival_timeout: seconds the ranks may arrive apart (``None``: the process group's).
+        rng: restore this rank's generator states when the rank layout is the saved one.
+
+    Returns:
+        ``{"step": int, "extra": dict or None, "path": Path, "rng": "restored" or why not}``.
+
+    Raises:
+        CheckpointError: ``path`` is ``None``, or the checkpoint does not match the model or
+            optimizer, or a file is damaged; nothing was changed.
+        TypeError: ``optimizer`` is not a DistributedOptimizer.
+        ValueError: a bad ``arrival_timeout``.
+
+    Example::
+
+        resumed = fxzero.load_checkpoint(fxzero.latest_checkpoint("ckpt"), model, opt)
+    """
     _check_optimizer(optimizer)
     _check_timeout(arrival_timeout)
     ranks = _ranks(optimizer)
@@ -206,7 +249,18 @@ def load_checkpoint(
 def latest_checkpoint(ckpt_dir: PathLike) -> Optional[Path]:
     """The committed checkpoint with the highest step under ``ckpt_dir``, or ``None`` if
     there is none (or no ``ckpt_dir``): test for ``None`` to start from scratch. Directories
-    of saves that never committed (``.tmp-``) are ignored."""
+    of saves that never committed (``.tmp-``) are ignored.
+
+    Args:
+        ckpt_dir: the directory :func:`save_checkpoint` saved into.
+
+    Returns:
+        The ``step_XXXXXXX`` directory, or ``None``.
+
+    Example::
+
+        path = fxzero.latest_checkpoint("ckpt")  # None: start from scratch
+    """
     root = Path(ckpt_dir)
     if not root.is_dir():
         return None

@@ -24,6 +24,7 @@ import torch
 from .data import as_data, write_json
 from .explained import Explained
 from .graphs import render_graphs
+from .node_costs import measure_speed
 from .recording import param_names, record
 from .summary import render_summary
 
@@ -75,15 +76,33 @@ def explain(
     a ``ModelOutput``'s ``loss`` (else its ``logits``), a dict's ``"loss"`` / ``"logits"`` /
     first tensor, a tuple's first tensor; ``loss_fn(output)`` replaces that choice.
 
+    Args:
+        model: the module to compile.
+        *example_inputs: positional arguments of the forward.
+        optimizer: the :class:`fxzero.DistributedOptimizer` over ``model``'s params.
+        inner_compiler: ``"inductor"`` or ``"eager"``.
+        full: append every compiled graph's code.
+        json_file: write the facts as JSON there.
+        timeline_file: draw the timeline PNG there (estimated times: see docs/tools.md).
+        dump_dir: write each graph before and after each pass there.
+        example_kwargs: keyword arguments of the forward.
+        loss_fn: turns the forward's output into the tensor to backpropagate.
+
+    Returns:
+        The summary text (with ``full``, every graph's code after it).
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``optimizer`` not a DistributedOptimizer.
+        ValueError: ``inner_compiler`` is neither ``"eager"`` nor ``"inductor"``.
+        RuntimeError: the optimizer holds gradients not yet stepped.
+        fxzero.model_output.OutputError: the output holds no tensor (nor does ``loss_fn``'s).
+        fxzero.explainer.timeline.PlottingMissing: ``timeline_file`` without matplotlib.
+
     Example::
 
         report = fxzero.explain(model, x, optimizer=opt, inner_compiler="eager")
         report = fxzero.explain(hf_model, optimizer=opt, example_kwargs={"input_ids": ids})
-
-    Raises ``TypeError`` for a model that is not a module or an optimizer that is not a
-    :class:`fxzero.DistributedOptimizer`, ``RuntimeError`` for an optimizer holding
-    gradients not yet stepped, and :class:`fxzero.model_output.OutputError` for an output
-    holding no tensor."""
+    """
     _check_arguments(model, optimizer, inner_compiler)
     if timeline_file is not None:  # before the compile: a missing matplotlib should not cost one
         from .timeline import matplotlib_parts
@@ -93,7 +112,10 @@ def explain(
     if dump_dir is not None:
         options["dump_dir"] = dump_dir
     graphs = record(model, example_inputs, optimizer, options, example_kwargs, loss_fn)
-    explained = Explained(optimizer, graphs, param_names(model), type(model).__name__, inner_compiler)
+    speed = None
+    if json_file is not None or timeline_file is not None:  # estimated times: this machine's speeds
+        speed = measure_speed(next((p.device for p in model.parameters()), torch.device("cpu")))
+    explained = Explained(optimizer, graphs, param_names(model), type(model).__name__, inner_compiler, speed)
     if json_file is not None or timeline_file is not None:
         data = as_data(explained)
         if json_file is not None:

@@ -10,8 +10,10 @@ Schema (``"schema": 2``; graphs are named by their ids, ``"0/0"``, since 2)::
     buckets      [{index, params: [module paths], elements, padded, padding, shard_per_rank,
                    grad_bytes, gather_bytes, param_dtype, grad_dtype, graphs: [graph ids]}]
     graphs       [{id, params: [{name, bucket, placeholder}], buckets,
-                   parts: {forward|backward|inference: {nodes, launches, handoffs, waits}}}]
-                 where launches/handoffs/waits are [{bucket, node}] (node: position among the graph's nodes)
+                   parts: {forward|backward|inference: {nodes, launches, handoffs, waits, ms}}}]
+                 where launches/handoffs/waits are [{bucket, node, ms}] (node: position among the graph's
+                 nodes; ms: the estimated time into the part at which the node runs, and the part's ms its
+                 estimated time, :mod:`~fxzero.explainer.node_costs`; null without a measured speed)
     collectives  {per_step: {c10d op: count}, reduction, gather, group_ranks,
                   model_own: [{graph, part, op, group, ranks, count}]}
     exposed      [{bucket, graph, node, nodes, share, suggested_bucket_size}]: buckets whose
@@ -23,12 +25,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
 from ..version import __version__
 from . import collectives, layout, schedule
+from .node_costs import Speed
 
 if TYPE_CHECKING:
     from .explained import Explained
@@ -50,6 +53,7 @@ def _conditions(explained: "Explained") -> dict[str, Any]:
         "overlap_param_gather": explained.overlap,
         "fxzero": __version__,
         "torch": torch.__version__,
+        "speed": None if explained.speed is None else explained.speed.describe(),
     }
 
 
@@ -60,16 +64,31 @@ def _bucket(facts: layout.BucketFacts) -> dict[str, Any]:
     return data
 
 
-def _part(part: schedule.PartSchedule) -> dict[str, Any]:
-    events = {what: [{"bucket": e.bucket, "node": e.node} for e in part.of(what)] for what in ("launch", "handoff", "wait")}
-    return {"nodes": part.nodes, "launches": events["launch"], "handoffs": events["handoff"], "waits": events["wait"]}
+def _starts_ms(part: schedule.PartSchedule, speed: Optional[Speed]) -> Optional[list[float]]:
+    """The estimated time (ms) at which each node starts, and the part's end last; None without a speed."""
+    if speed is None or len(part.costs) != part.nodes:
+        return None
+    starts = [0.0]
+    for flops, nbytes in part.costs:
+        starts.append(starts[-1] + 1e3 * speed.seconds(flops, nbytes))
+    return starts
+
+
+def _part(part: schedule.PartSchedule, speed: Optional[Speed]) -> dict[str, Any]:
+    starts = _starts_ms(part, speed)
+    events = {
+        what: [{"bucket": e.bucket, "node": e.node, "ms": None if starts is None else starts[e.node]} for e in part.of(what)]
+        for what in ("launch", "handoff", "wait")
+    }
+    return {"nodes": part.nodes, "launches": events["launch"], "handoffs": events["handoff"], "waits": events["wait"],
+            "ms": None if starts is None else starts[-1]}  # fmt: skip
 
 
 def _graphs(explained: "Explained") -> list[dict[str, Any]]:
     found = []
     for graph, planned in zip(explained.graphs, schedule.schedules(explained)):
         params = [{"name": name, "bucket": bucket, "placeholder": ph} for ph, name, bucket in explained.params_of(graph)]
-        parts = {part.kind: _part(part) for part in planned.parts}
+        parts = {part.kind: _part(part, explained.speed) for part in planned.parts}
         found.append({"id": planned.id, "params": params, "buckets": list(planned.buckets), "parts": parts})
     return found
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from ..dump import InsertedNode
+    from .node_costs import Speed
     from .recording import Graph
 
 __all__ = ["Explained"]
@@ -29,6 +30,8 @@ class Explained:
     model: str = "model"
     """The model's class name (the picture's title, the JSON's conditions)."""
     inner_compiler: str = "inductor"
+    speed: Optional["Speed"] = None
+    """The machine's FLOP/s and bandwidth, when a picture or JSON gives estimated times."""
 
     def bucket_of(self, graph: "Graph", node: "InsertedNode") -> Optional[int]:
         """The bucket behind a node inserted in ``graph``, if it belongs to this optimizer."""

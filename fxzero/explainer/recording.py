@@ -23,6 +23,7 @@ import torch.fx as fx
 from ..dump import GraphDumper, InsertedNode, inserted_nodes
 from ..model_output import LossFn, output_tensor
 from ..optim.layout.mesh import local_of
+from .node_costs import node_costs
 
 __all__ = ["Graph", "Recorded", "param_names", "record"]
 
@@ -37,6 +38,8 @@ class Recorded:
     total: int
     """Nodes in the graph, placeholders and output included: the schedule's 100%."""
     inserted: tuple[InsertedNode, ...]
+    costs: tuple[tuple[float, int], ...] = ()
+    """Each node's ``(FLOPs, bytes)``, in node order (:mod:`~fxzero.explainer.node_costs`)."""
 
 
 @dataclasses.dataclass
@@ -57,7 +60,7 @@ class Graph:
 def _snapshot(kind: str, gm: fx.GraphModule) -> Recorded:
     nodes = list(gm.graph.nodes)
     placeholders = tuple(n.name for n in nodes if n.op == "placeholder")
-    return Recorded(kind, gm.code, placeholders, len(nodes), inserted_nodes(gm))
+    return Recorded(kind, gm.code, placeholders, len(nodes), inserted_nodes(gm), node_costs(gm))
 
 
 class _Recording:

@@ -42,6 +42,8 @@ class PartSchedule:
     kind: str
     nodes: int
     events: tuple[Event, ...]
+    costs: tuple[tuple[float, int], ...] = ()
+    """Each node's ``(FLOPs, bytes)``: the timeline's time axis."""
 
     def of(self, what: str) -> list[Event]:
         return [e for e in self.events if e.what == what]
@@ -65,7 +67,7 @@ def _part(graph: "Graph", part: "Recorded", explained: "Explained") -> PartSched
             events.append(Event("wait", bucket, node.index))
         else:
             events.append(Event("launch" if last_launch[bucket] == node.index else "handoff", bucket, node.index))
-    return PartSchedule(part.kind, part.total, tuple(events))
+    return PartSchedule(part.kind, part.total, tuple(events), part.costs)
 
 
 def schedules(explained: "Explained") -> list[GraphSchedule]:

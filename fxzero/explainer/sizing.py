@@ -13,7 +13,14 @@ would allocate, for any data-parallel size, and adds what its step keeps per ran
   step count per param fragment the shard holds (torch's Adam keeps ``step`` as a tensor);
 * **fp32 masters**: of the shard, when params are not fp32 (int16 remainders with
   ``param_remainders``);
-* **gather scratch**: 0, fxzero gathers into the param buffer in place (MXFP8 is not sized here).
+* **gather scratch**: 0, fxzero gathers into the param buffer in place (MXFP8 is not sized here);
+* **gradient exchange scratch** (``transport="gloo"``): the chunked all-to-all's receive slots
+  (:mod:`~fxzero.optim.gradients.grad_exchange`: ``SLOTS`` x ``(dp - 1)`` x ``CHUNK_BYTES``, and an
+  fp32 accumulator for 16-bit grads); NCCL reduces in place and needs none;
+* **activations** (with an :class:`~fxzero.explainer.activations.ActivationEstimate`): the peak
+  of what one forward+backward on the rank's batch keeps alive on top of the model states, so
+  the **peak per rank** is the model states plus it (the peak comes in a backward after the
+  first step, when the optimizer state exists).
 
 Tensor parallelism (``tp``) is modelled as Megatron-LM splits a transformer: each weight of 2 or
 more dims is cut in ``tp`` (rounded up), 1-dim params (norms, biases) are whole on every rank.
@@ -33,7 +40,9 @@ import torch
 
 from .._torch_compat import nccl_collective_ms
 from ..config import Config
+from ..optim.gradients.grad_exchange import CHUNK_BYTES, SLOTS
 from ..optim.layout.layout import plan_buckets, shard_fragments
+from .activations import ActivationEstimate
 
 __all__ = ["SizeReport", "size_run"]
 
@@ -60,6 +69,11 @@ class SizeReport:
     master_bytes: int
     scratch_bytes: int
     collectives: tuple[dict[str, Any], ...]
+    exchange_bytes: int = 0
+    """The gloo gradient exchange's receive slots (0 on NCCL)."""
+    transport: str = "nccl"
+    activations: Optional[ActivationEstimate] = None
+    """One forward+backward's activations on the rank's batch, when example inputs were given."""
 
     @property
     def shard_ranks(self) -> int:
@@ -67,24 +81,43 @@ class SizeReport:
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.state_bytes + self.master_bytes + self.scratch_bytes
+        """The model states per rank: buffers, optimizer state, masters and scratch."""
+        states = self.param_bytes + self.grad_bytes + self.state_bytes + self.master_bytes
+        return states + self.scratch_bytes + self.exchange_bytes
+
+    @property
+    def peak_bytes(self) -> Optional[int]:
+        """The model states plus the activation peak; ``None`` without an activation estimate."""
+        return None if self.activations is None else self.total_bytes + self.activations.peak_bytes
 
     def rows(self) -> list[tuple[str, int]]:
-        return [("params (flat param buffer)", self.param_bytes), ("grads (flat grad buffer)", self.grad_bytes),
+        rows = [("params (flat param buffer)", self.param_bytes), ("grads (flat grad buffer)", self.grad_bytes),
                 ("optimizer state (this rank's shard)", self.state_bytes), ("fp32 masters (this rank's shard)", self.master_bytes),
-                ("gather scratch", self.scratch_bytes), ("total", self.total_bytes)]  # fmt: skip
+                ("gather scratch", self.scratch_bytes)]  # fmt: skip
+        if self.transport == "gloo":
+            rows.append(("gradient exchange scratch (gloo)", self.exchange_bytes))
+        rows.append(("total", self.total_bytes))
+        if self.activations is not None and self.peak_bytes is not None:
+            rows += [("activations saved by forward", self.activations.saved_bytes),
+                     ("activations, forward+backward peak", self.activations.peak_bytes),
+                     ("peak (total + activation peak)", self.peak_bytes)]  # fmt: skip
+        return rows
 
     def as_data(self) -> dict[str, Any]:
         data = dataclasses.asdict(self)
         data.update(buckets=list(self.buckets), collectives=list(self.collectives), total_bytes=self.total_bytes)
+        data.update(activations=None if self.activations is None else self.activations.as_data(), peak_bytes=self.peak_bytes)
         data["bytes_per_param"] = self.total_bytes / self.params * self.tp if self.params else 0.0
         return data
 
     def text(self) -> str:
         head = (f"fxzero explain --size: {self.model}, {self.params:,} params; dp {self.dp} ({self.instances} instance"
                 f"{'s' * (self.instances != 1)} of {self.shard_ranks} shard ranks), tp {self.tp}; "
-                f"{len(self.buckets)} buckets, {self.buffer_elements:,} buffer elements per rank")  # fmt: skip
-        lines = [head, "", f"{'memory per rank':<40}{'bytes':>18}{'GiB':>10}"]
+                f"{len(self.buckets)} bucket{'s' * (len(self.buckets) != 1)}, {self.buffer_elements:,} buffer elements per rank")  # fmt: skip
+        lines = [head, ""]
+        if self.activations is not None:
+            lines += [f"activations: one eager forward+backward on fake tensors of the batch {self.activations.inputs}", ""]
+        lines.append(f"{'memory per rank':<40}{'bytes':>18}{'GiB':>10}")
         lines += [f"{name:<40}{value:>18,}{value / 2**30:>10.2f}" for name, value in self.rows()]
         per_param = self.total_bytes / (self.params / self.tp) if self.params else 0.0
         lines += [f"{'bytes per param (this rank, total / (params / tp))':<58}{per_param:>10.2f}", ""]
@@ -113,12 +146,12 @@ def _stand_ins(model: torch.nn.Module, tp: int) -> list[torch.Tensor]:
     return out
 
 
-def _plans(params: list[torch.Tensor], shard_ranks: int, config: Config) -> list[tuple[torch.dtype, Any]]:
+def _plans(params: list[torch.Tensor], shard_ranks: int, config: Config, transport: str) -> list[tuple[torch.dtype, Any]]:
     """One plan per param dtype, in order of first appearance (as :func:`build_buffers` groups them)."""
     groups: dict[torch.dtype, list[torch.Tensor]] = {}
     for p in params:
         groups.setdefault(p.dtype, []).append(p)
-    size = config.resolved_bucket_size(shard_ranks, "nccl")
+    size = config.resolved_bucket_size(shard_ranks, transport)
     return [(dtype, plan_buckets(group, dp_size=shard_ranks, bucket_size=size, pad_for_high_busbw=config.pad_for_high_busbw,
                                  shard_multiple=1, grad_dtype=config.grad_dtype)) for dtype, group in groups.items()]  # fmt: skip
 
@@ -129,23 +162,51 @@ def _collective(op: str, kind: str, sizes: list[int], ranks: int, bandwidth: Opt
     return {"op": op, "count": len(sizes), "bytes": sum(sizes), "ring_bytes_per_rank": ring, "ms": ms}
 
 
+def _exchange_bytes(transport: str, shard_ranks: int, config: Config, plans: list[tuple[torch.dtype, Any]]) -> int:
+    """The gloo exchange's receive slots, and its fp32 accumulator when a grad is 16-bit."""
+    if transport != "gloo" or shard_ranks < 2:
+        return 0
+    narrow = any((config.grad_dtype or dtype) in (torch.bfloat16, torch.float16) for dtype, _ in plans)
+    return SLOTS * (shard_ranks - 1) * CHUNK_BYTES + (CHUNK_BYTES // 2 * 4 if narrow else 0)
+
+
 def size_run(model: torch.nn.Module, dp: int, *, tp: int = 1, instances: int = 1, config: Optional[Config] = None,
              states_per_element: int = 2, step_bytes: int = 4, bandwidth_gbps: Optional[float] = None,
-             rank: int = 0) -> SizeReport:  # fmt: skip
+             rank: int = 0, transport: str = "nccl", activations: Optional[ActivationEstimate] = None) -> SizeReport:  # fmt: skip
     """Size a run of ``model`` (real or on the meta device) over ``dp`` data-parallel ranks in
     ``instances`` optimizer instances, each rank holding a ``tp``-th of each matrix.
-    ``states_per_element``: the wrapped optimizer's states per param element (AdamW 2, SGD with
-    momentum 1); ``step_bytes``: its per-param step count's bytes (0 for SGD). ``bandwidth_gbps``:
-    per-link bandwidth (GB/s) for the predicted times. ``rank``: whose shard (the fragments, hence
-    the step counts, differ by a few bytes between ranks)."""
+
+    Args:
+        model: the module whose trainable params are laid out (their data is not read).
+        dp: data-parallel ranks.
+        tp: tensor-parallel ranks per data-parallel rank.
+        instances: optimizer instances the ``dp`` ranks form (``dp`` a multiple of it).
+        config: the optimizer's :class:`~fxzero.Config` (bucket size, dtypes); default ``Config()``.
+        states_per_element: the wrapped optimizer's states per param element (AdamW 2, SGD with
+            momentum 1).
+        step_bytes: its per-param step count's bytes (0 for SGD).
+        bandwidth_gbps: per-link bandwidth (GB/s) for the predicted times.
+        rank: whose shard (the fragments, hence the step counts, differ by a few bytes between ranks).
+        transport: ``"nccl"`` or ``"gloo"``: the default bucket size, and gloo's exchange scratch.
+        activations: :func:`~fxzero.explainer.activations.estimate_activations`' result, for the peak.
+
+    Returns:
+        The bytes per rank and per step.
+
+    Raises:
+        ValueError: ``dp``, ``tp`` or ``instances`` below 1, ``dp`` not a multiple of ``instances``,
+            an unknown ``transport``, or MXFP8 param gathers in ``config`` (not sized).
+    """
     config = config or Config()
     if dp < 1 or tp < 1 or instances < 1 or dp % instances:
         raise ValueError(f"size: dp ({dp}), tp ({tp}) and instances ({instances}) must be >= 1, dp a multiple of instances")
+    if transport not in ("nccl", "gloo"):
+        raise ValueError(f"size: transport must be 'nccl' or 'gloo', got {transport!r}")
     if config.mxfp8_param_gather:
         raise ValueError("size: MXFP8 param gathers are not sized (their scratch depends on the gather); size without it")
     shard_ranks = dp // instances
     params = _stand_ins(model, tp)
-    plans = _plans(params, shard_ranks, config)
+    plans = _plans(params, shard_ranks, config, transport)
     grad_item = lambda dtype: (config.grad_dtype or dtype).itemsize  # noqa: E731
     buckets = [b.numel for _, plan in plans for b in plan.buckets]
     param_bytes = sum(plan.numel * dtype.itemsize for dtype, plan in plans)
@@ -166,4 +227,5 @@ def size_run(model: torch.nn.Module, dp: int, *, tp: int = 1, instances: int = 1
     elements = sum(plan.numel for _, plan in plans)
     total = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return SizeReport(type(model).__name__, total, dp, tp, instances, elements, tuple(buckets), param_bytes, grad_bytes,
-                      state, masters, 0, tuple(collectives))  # fmt: skip
+                      state, masters, 0, tuple(collectives), _exchange_bytes(transport, shard_ranks, config, plans),
+                      transport, activations)  # fmt: skip

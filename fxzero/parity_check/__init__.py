@@ -54,17 +54,6 @@ def parity(
     compare (``print(report)``; ``report.verdict`` is ``"PASS"``, ``"FAIL"`` or
     ``"NOT COMPARABLE"``).
 
-    :param model: the module to check (on the CPU); not changed.
-    :param batch_fn: ``batch_fn(step)`` returns the *global* batch of ``step``: a tuple of
-        tensors (positional arguments), one tensor, or a dict (keyword arguments, e.g.
-        ``{"input_ids": ids, "labels": ids}``); rank r takes slice r of ``world_size``
-        equal slices along dim 0.
-    :param optimizer_factory: builds the plain ``torch.optim`` optimizer to wrap from the
-        params (default AdamW, lr 1e-3).
-    :param loss_fn: ``loss_fn(output)`` is the training loss (a mean over the batch). Without
-        it: a scalar output, a ``ModelOutput``'s or dict's ``loss``; else the mean of
-        squares of the output's logits or first tensor (a stand-in loss).
-
     A model with random ops (dropout) is compared exactly: each rank seeds its generator,
     the reference runs each rank's slice with that rank's generator, and Inductor compiles
     random ops as eager's so both draw the same masks. A model the check cannot compare
@@ -80,10 +69,38 @@ def parity(
     module level; in a script, under ``if __name__ == "__main__":``).
     ``python -m fxzero parity TARGET`` has no such need: its ranks call TARGET's function.
 
-    :returns: a :class:`ParityReport`.
-    :raises ParityError: bad options, a batch that does not split evenly, a model that does
-        not pickle.
-    :raises fxzero.testing.RankError: fxzero raised on a rank.
+    Args:
+        model: the module to check (on the CPU); not changed.
+        batch_fn: ``batch_fn(step)`` returns the *global* batch of ``step``: a tuple of
+            tensors (positional arguments), one tensor, or a dict (keyword arguments, e.g.
+            ``{"input_ids": ids, "labels": ids}``); rank r takes slice r of ``world_size``
+            equal slices along dim 0.
+        optimizer_factory: builds the plain ``torch.optim`` optimizer to wrap from the
+            params (default AdamW, lr 1e-3).
+        world_size: gloo ranks started on this machine.
+        steps: optimizer steps compared.
+        inner_compiler: ``"inductor"`` (what training compiles with) or ``"eager"`` (faster).
+        bucket_size: the ranks' ``Config.bucket_size``.
+        mxfp8: gather params as MXFP8 (``Config.mxfp8_param_gather``); the reference computes
+            on the MXFP8 round trip of fp32 masters.
+        atol_loss: the loss tolerance (default 10x the noise floor).
+        atol_param: the param tolerance (default 10x the noise floor).
+        timeout: seconds for each rank run.
+        optimizer_state_dtype: the ranks' ``Config.optimizer_state_dtype``.
+        param_remainders: the ranks' ``Config.param_remainders``.
+        param_rounding: the ranks' ``Config.param_rounding``.
+        loss_fn: ``loss_fn(output)`` is the training loss (a mean over the batch). Without
+            it: a scalar output, a ``ModelOutput``'s or dict's ``loss``; else the mean of
+            squares of the output's logits or first tensor (a stand-in loss).
+
+    Returns:
+        A :class:`ParityReport`: the numbers, ``verdict`` and the params, worst first.
+
+    Raises:
+        ParityError: bad options, a batch that does not split evenly, a model that does
+            not pickle.
+        fxzero.testing.RankError: fxzero raised on a rank.
+        fxzero.testing.RankTimeout: a rank did not finish within ``timeout``.
 
     Example::
 

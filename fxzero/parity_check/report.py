@@ -134,7 +134,11 @@ def _order(result: ParamResult) -> tuple[bool, int, float]:
 
 @dataclasses.dataclass(frozen=True)
 class ParityReport:
-    """What :func:`fxzero.parity` found; ``str(report)`` is the printed report."""
+    """What :func:`fxzero.parity` found; ``str(report)`` is the printed report.
+
+    Args:
+        Every field below, by keyword (:func:`fxzero.parity` makes it; users read it).
+    """
 
     setup: Setup
     """What ran: the model's class, its params, the options, the optimizer, the buckets."""

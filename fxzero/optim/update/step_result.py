@@ -11,7 +11,11 @@ __all__ = ["StepResult", "warn_no_gradients"]
 
 @dataclasses.dataclass(frozen=True)
 class StepResult:
-    """What :meth:`DistributedOptimizer.step` did."""
+    """What :meth:`DistributedOptimizer.step` did.
+
+    Args:
+        Every field below, by keyword (``step()`` makes it; users read it).
+    """
 
     skipped: bool
     """True when no update was applied (``reason`` says why)."""
