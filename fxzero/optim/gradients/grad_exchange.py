@@ -19,7 +19,7 @@ of its program:
 * :meth:`progress`, called at each gradient hand-off during backward, retires the oldest
   chunk (waits for it and sums it) when every slot is busy and chunks are owed, then
   issues more: the exchange keeps up with backward without a thread of its own;
-* :meth:`complete_all` (the step) issues what is still owed and retires everything.
+* :meth:`finish_launched` (the step) issues what is still owed and retires everything.
 
 **Sums** are in rank order, as a single all-to-all's ``rows[0] + rows[1] + ...`` would be,
 in place in this rank's shard (float addition commutes: ``own + acc == acc + own``). 16-bit
