@@ -110,10 +110,10 @@ LAYERS = (
     ("optim.communication",),  # the runtime's parts, by phase: the process group and the ranks' meeting
     ("optim.layout",),  # where params lie: plans, param table, buffers, shard views
     ("optim.state", "optim.params"),  # the wrapped optimizer's state; params after the step (the gather protocol)
-    ("optim.gradients", "optim.update"),  # backward to step: ledger, reductions, p.grad views; the update
+    ("optim.gradients", "optim.update"),  # backward to step: ledger, the reduction protocol, p.grad views; the update, publish
     ("optim",),  # what the parts export
     ("mxfp8", "compiled", "torch_log"),  # implements the gather protocol; what compiled graphs call (ops, binding, graph ids); the fxzero torch log
-    ("runtime",),  # assembles the parts in one function (chooses the gather, lets the ops take DTensor params)
+    ("runtime",),  # assembles the parts in one function (chooses the gather and the reduction, lets the ops take DTensor params); the update and end phases
     ("distributed_optimizer",),  # lays out the buffers and param table, builds the runtime, steps it
     ("passes",),
     ("dump",),
