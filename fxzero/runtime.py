@@ -65,6 +65,7 @@ from .optim.params.initial_broadcast import broadcast_initial_state
 from .optim.params.param_sync import Gather, ParamSync, PlainGather, Publish
 from .optim.params.param_waits import install_param_waits
 from .optim.params.param_watch import ParamWatch
+from .optim.params.rounding_kernels import RoundingKernels
 from .optim.state.state_check import StateProbe
 from .optim.state.sharded_state import ShardedState
 from .optim.state.state_dict import hyperparameters
@@ -178,7 +179,7 @@ def build_runtime(
     buckets = tuple(b for buffer in buffers for b in buffer.buckets)
     described = [table.describe(table.slots(b.params)) for b in buckets]
     reuse = config.reuse_grad_buf_for_mxfp8_param_ag
-    gather = Mxfp8Gather(buckets, dp, reuse_grad_buffer=reuse) if config.mxfp8_param_gather else PlainGather(buckets, dp, config.resolved_param_rounding)
+    gather = Mxfp8Gather(buckets, dp, reuse_grad_buffer=reuse) if config.mxfp8_param_gather else PlainGather(buckets, dp, config.resolved_param_rounding, RoundingKernels(config.compiled_update))
     param_sync = ParamSync(buckets, dp, overlap=overlap, gather=gather, described=described)
     before_grad_write = param_sync.wait if reuse else None  # gather bytes sit in the grad buffer: land a bucket first
     ledger = Ledger(table, len(buckets), requires_grad=functools.partial(_requires_grad, table.params))

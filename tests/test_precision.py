@@ -101,11 +101,11 @@ def test_stochastic_rounding_follows_the_master_in_expectation_and_repeats_itsel
 
 
 def test_the_rounding_hash_in_int32_gives_the_int64_forms_bits() -> None:
-    from fxzero.optim.params.bf16_rounding import _hash16, _hash16_wide
+    from fxzero.optim.params.bf16_rounding import _hash16_wide, hash16
 
     bits = torch.randint(-(2**31), 2**31 - 1, (100_000,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
     bits[:4] = torch.tensor([0, -1, 2**31 - 1, -(2**31)], dtype=torch.int32)
-    assert torch.equal(_hash16(bits), _hash16_wide(bits))
+    assert torch.equal(hash16(bits), _hash16_wide(bits))
 
 
 def test_8_bit_blocks_decode_what_they_encode_again_within_their_rounding() -> None:
