@@ -33,12 +33,14 @@ import torch.nn.functional as F
 
 from ..compiled_function import shared
 from ..params import rounding_kernels
-from .moment_store import BLOCK, BlockStore, MomentStore, PlainStore, RootStore
+from .moment_store import BLOCK, HIGH_HALF, BlockStore, MomentStore, PairHalf, PlainStore, RootStore, nearest_bf16_bits
 
 __all__ = ["FusedRunUpdate"]
 
 
 def _parts(store: MomentStore) -> tuple[torch.Tensor, ...]:
+    if isinstance(store, PairHalf):
+        return (store.words,) if store.high else ()  # the first moment's parts carry the word of both
     if isinstance(store, PlainStore):
         return (store.values,)
     return (store.codes, store.scales)  # type: ignore[union-attr]
@@ -61,7 +63,24 @@ def _encode(kind: str, values: torch.Tensor, parts: Sequence[torch.Tensor]) -> N
 
 
 def _kind(store: MomentStore) -> str:
+    if isinstance(store, PairHalf):
+        return "pair"
     return "plain" if isinstance(store, PlainStore) else "block" if isinstance(store, BlockStore) else "root"
+
+
+def _moments(kinds: tuple[str, str], m_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kinds[0] == "pair":
+        words = m_parts[0]
+        return (words & HIGH_HALF).view(torch.float32), (words << 16).view(torch.float32)
+    return _decode(kinds[0], m_parts, n), _decode(kinds[1], v_parts, n)
+
+
+def _keep_moments(kinds: tuple[str, str], m: torch.Tensor, v: torch.Tensor, m_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor]) -> None:
+    if kinds[0] == "pair":
+        m_parts[0].copy_(nearest_bf16_bits(m) | ((nearest_bf16_bits(v) >> 16) & 0xFFFF))
+        return
+    _encode(kinds[0], m, m_parts)
+    _encode(kinds[1], v, v_parts)
 
 
 def _adam_run(param: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor, m_parts: Sequence[torch.Tensor],
@@ -76,11 +95,11 @@ def _adam_run(param: torch.Tensor, remainder: Optional[torch.Tensor], grad: torc
         master = master * (1 - lr * weight_decay)
     elif decay:
         g = g + weight_decay * master
-    m = _decode(kinds[0], m_parts, n).lerp(g, 1 - beta1)
-    v = _decode(kinds[1], v_parts, n) * beta2 + (1 - beta2) * g * g
+    m, v = _moments(kinds, m_parts, v_parts, n)
+    m = m.lerp(g, 1 - beta1)
+    v = v * beta2 + (1 - beta2) * g * g
     master = master - step_size * m / (v.sqrt() * inverse_bias_correction2_sqrt + eps)  # one division per element, not two
-    _encode(kinds[0], m, m_parts)
-    _encode(kinds[1], v, v_parts)
+    _keep_moments(kinds, m, v, m_parts, v_parts)
     if remainder is None:
         param.copy_(master)
     else:
