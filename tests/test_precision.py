@@ -443,3 +443,27 @@ def test_both_bf16_moments_packed_in_one_word_keep_what_two_bf16_tensors_keep() 
     for a, b in zip(paired, plain):
         assert torch.equal(a.load(), b.load()) and torch.equal(a.export(), b.export()) and a.export().dtype == torch.bfloat16
     assert torch.equal(paired[0].load(), m.bfloat16().float()) and torch.equal(paired[1].load(), v.bfloat16().float())
+
+
+def test_the_first_moments_block_exponents_are_frexp_and_exp2_computed_from_bits() -> None:
+    """The 8-bit first moment's scales are built from fp32 bits (``torch.frexp`` / ``torch.exp2`` are libm
+    calls per element in Inductor's loops); they must be the exponent ``ceil(log2(amax / 448))`` and the
+    power of two that frexp and exp2 give, for blocks of every magnitude, zero and subnormal ones included."""
+
+    def reference_encode(blocks: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor) -> None:
+        mantissa, exponent = torch.frexp(blocks.abs().amax(dim=1) / 448.0)
+        exponent = (exponent - mantissa.eq(0.5).to(exponent.dtype)).clamp(-127, 127)
+        exponents.copy_(exponent)
+        codes.copy_((blocks / torch.exp2(exponent.to(torch.float32)).unsqueeze(1)).clamp(-448.0, 448.0))
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randn(4000, 32, generator=g) * 10 ** torch.empty(4000, 1).uniform_(-46, 38, generator=g)
+    blocks[:2] = 0
+    blocks[2:6, 0] = torch.tensor([448 * 2.0**-127, 448 * 2.0**-126, 1e-45, 448 * 1.5 * 2.0**-127])
+    blocks[6] = 3.4e38
+    want = (torch.empty(4000, 32, dtype=torch.float8_e4m3fn), torch.empty(4000, dtype=torch.int8))
+    got = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+    reference_encode(blocks, *want)
+    BlockStore.encode(blocks, *got)
+    assert torch.equal(want[0].view(torch.uint8), got[0].view(torch.uint8)) and torch.equal(want[1], got[1])
+    assert torch.equal(BlockStore.decode(*got), want[0].float() * torch.exp2(want[1].float()).unsqueeze(1))

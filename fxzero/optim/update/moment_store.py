@@ -121,6 +121,23 @@ class _Blocks:
         self.save(values.to(torch.float32))
 
 
+def _power_of_two(exponent: torch.Tensor) -> torch.Tensor:
+    """``2.0 ** exponent`` (int32, in [-127, 127]) in fp32, exactly, built from its bits: ``torch.exp2``
+    and ``torch.frexp`` are libm calls per element in Inductor's CPU loops, which recompute a block's
+    scale for each of its elements (they made the compiled fp8 update 8 ns an element)."""
+    bits = torch.where(exponent > -127, (exponent + 127) << 23, 1 << 22)  # 2^-127 is subnormal
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _ceil_log2(x: torch.Tensor) -> torch.Tensor:
+    """``ceil(log2(x))`` of fp32 ``x >= 0`` as int32 (0 for 0, at most -127 below 2^-127), from its bits."""
+    bits = x.view(torch.int32)
+    biased = (bits >> 23) & 0xFF
+    normal = biased - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    subnormal = torch.where(x <= 2.0**-127, -127, -126)
+    return torch.where(x == 0, 0, torch.where(biased == 0, subnormal, normal)).to(torch.int32)
+
+
 class BlockStore(_Blocks):
     """The first moment: E4M3 codes in blocks of :data:`BLOCK`, one power-of-two scale per block."""
 
@@ -129,14 +146,13 @@ class BlockStore(_Blocks):
 
     @staticmethod
     def decode(codes: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
-        return codes.to(torch.float32) * torch.exp2(exponents.to(torch.float32)).unsqueeze(1)
+        return codes.to(torch.float32) * _power_of_two(exponents.to(torch.int32)).unsqueeze(1)
 
     @staticmethod
     def encode(blocks: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor) -> None:
-        mantissa, exponent = torch.frexp(blocks.abs().amax(dim=1) / _E4M3_MAX)
-        exponent = (exponent - mantissa.eq(0.5).to(exponent.dtype)).clamp(-127, 127)  # ceil(log2(amax / 448))
+        exponent = _ceil_log2(blocks.abs().amax(dim=1) / _E4M3_MAX).clamp(-127, 127)
         exponents.copy_(exponent)
-        codes.copy_((blocks / torch.exp2(exponent.to(torch.float32)).unsqueeze(1)).clamp(-_E4M3_MAX, _E4M3_MAX))
+        codes.copy_((blocks * _power_of_two(-exponent).unsqueeze(1)).clamp(-_E4M3_MAX, _E4M3_MAX))  # exact: a power of two
 
 
 class RootStore(_Blocks):
