@@ -38,7 +38,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 from train_gpt import ModelArgs, Transformer, load_bytes  # noqa: E402
 
 import fxzero  # noqa: E402
-from fxzero.optim.compiled_function import compile_stats  # noqa: E402
+from fxzero.inductor_function import compile_stats  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 
 _FP8_M, _FP8_V = 1 + 1 / 32, 1 + 2 / 32
@@ -196,6 +196,8 @@ DRIFT_RUNS: dict[str, tuple[str, dict[str, Any]]] = {
     "torchao AdamWFp8": ("AdamWFp8", {}),
     "fxzero bf16 state": ("fxzero", {"optimizer_state_dtype": "bf16"}),
     "fxzero fp8 state": ("fxzero", {"optimizer_state_dtype": "fp8"}),
+    "fxzero bf16 state, compiled_update": ("fxzero", {"optimizer_state_dtype": "bf16", "compiled_update": True}),
+    "fxzero fp8 state, compiled_update": ("fxzero", {"optimizer_state_dtype": "fp8", "compiled_update": True}),
 }
 
 
@@ -254,17 +256,17 @@ def _distance(a: list, b: list, start: list) -> float:
     return math.sqrt(sum(float((x - y).square().sum()) for x, y in zip(a, b))) / moved
 
 
-def _drift(checkpoints: tuple[int, ...], lrs: tuple[float, ...]) -> list[list[str]]:
+def _drift(checkpoints: tuple[int, ...], lrs: tuple[float, ...], labels: list[str]) -> list[list[str]]:
     rows = []
     for model_name, (build, _) in MODELS.items():
         start = [p.detach().clone() for p in build().parameters()]
         for lr in lrs:
             ref = _train(model_name, "torch", {}, lr, checkpoints)
-            runs = {label: _train(model_name, who, options, lr, checkpoints) for label, (who, options) in DRIFT_RUNS.items()}
+            runs = {label: _train(model_name, *DRIFT_RUNS[label], lr, checkpoints) for label in labels}
             for step in checkpoints:
                 ref_loss, ref_params = ref[step]
                 row = [model_name, f"{lr:g}", str(step), f"{ref_loss:.4f}"]
-                for label in DRIFT_RUNS:
+                for label in labels:
                     loss, params = runs[label][step]
                     row.append(f"{loss:.4f} ({loss / ref_loss - 1:+.1%}), {_distance(params, ref_params, start):.3f}")
                 rows.append(row)
@@ -279,7 +281,7 @@ def main() -> None:
     parser.add_argument("--skip-world-2", action="store_true")
     parser.add_argument("--skip-drift", action="store_true")
     parser.add_argument("--steps", default="100,300", help="drift checkpoints")
-    parser.add_argument("--only", default="", help="comma-separated parts of the speed rows' labels to run (default: every row)")
+    parser.add_argument("--only", default="", help="comma-separated parts of the labels of the rows to run, speed and drift (default: every row)")
     args = parser.parse_args()
     from tabulate import tabulate
 
@@ -305,9 +307,10 @@ def main() -> None:
         print(tabulate(_speed_rows(two, 2), headers=headers, tablefmt="github"), flush=True)
     if not args.skip_drift:
         checkpoints = tuple(int(s) for s in args.steps.split(","))
-        rows = _drift(checkpoints, (1e-3, 3e-4))
+        labels = [label for label in DRIFT_RUNS if not args.only or any(part in label for part in args.only.split(","))]
+        rows = _drift(checkpoints, (1e-3, 3e-4), labels)
         print("\nDrift against torch.optim.AdamW with fp32 state (loss (its difference), param distance / the fp32 run's update):\n")
-        print(tabulate(rows, headers=["model", "lr", "step", "fp32 loss", *DRIFT_RUNS], tablefmt="github"))
+        print(tabulate(rows, headers=["model", "lr", "step", "fp32 loss", *labels], tablefmt="github"))
 
 
 if __name__ == "__main__":

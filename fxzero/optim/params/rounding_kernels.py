@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..compiled_function import shared
+from ...inductor_function import shared
 from . import bf16_rounding
 from .bf16_rounding import Rounding
 

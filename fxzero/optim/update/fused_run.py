@@ -31,7 +31,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..compiled_function import shared
+from ...inductor_function import shared
 from ..params import rounding_kernels
 from .moment_store import BLOCK, HIGH_HALF, BlockStore, MomentStore, PairHalf, PlainStore, RootStore, nearest_bf16_bits
 

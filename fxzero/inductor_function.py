@@ -7,7 +7,7 @@ chain is one generated loop that reads and writes the run's bytes about once.
 
 * **Once per process**, shared by every optimizer: the compile depends on the function and the
   kinds of its inputs (dtypes, flags), not on an optimizer, so :func:`shared` keeps one
-  :class:`CompiledFunction` per Python function (the function object itself is the key: two
+  :class:`InductorFunction` per Python function (the function object itself is the key: two
   functions never share an entry). Inductor's FX graph cache makes a later process's compile warm.
 * **No recompiles per step**: shapes are dynamic (one graph serves every run), and the callers
   pass per-step values (hyperparameters, bias corrections) in tensors, never as Python numbers
@@ -23,12 +23,12 @@ from typing import Any, Callable
 
 import torch
 
-from .._torch_compat import inductor_compile, recompile_limit
+from ._torch_compat import inductor_compile, recompile_limit
 
-__all__ = ["CompiledFunction", "compile_stats", "shared"]
+__all__ = ["InductorFunction", "compile_stats", "shared"]
 
 
-class CompiledFunction:
+class InductorFunction:
     """``fn`` compiled by Inductor with dynamic shapes, up to ``graphs`` graphs (one per kinds of input)."""
 
     def __init__(self, fn: Callable[..., Any], graphs: int) -> None:
@@ -49,14 +49,14 @@ class CompiledFunction:
             return self._fn(*args)
 
 
-_SHARED: dict[Callable[..., Any], CompiledFunction] = {}
+_SHARED: dict[Callable[..., Any], InductorFunction] = {}
 
 
-def shared(fn: Callable[..., Any], graphs: int) -> CompiledFunction:
+def shared(fn: Callable[..., Any], graphs: int) -> InductorFunction:
     """The process's one compiled ``fn`` (made on first use)."""
     compiled = _SHARED.get(fn)
     if compiled is None:
-        compiled = _SHARED[fn] = CompiledFunction(fn, graphs)
+        compiled = _SHARED[fn] = InductorFunction(fn, graphs)
     return compiled
 
 
