@@ -38,6 +38,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 from train_gpt import ModelArgs, Transformer, load_bytes  # noqa: E402
 
 import fxzero  # noqa: E402
+from fxzero.inductor_function import compile_stats  # noqa: E402
 from fxzero.testing import close_pools, run_ranks  # noqa: E402
 
 _FP8_M, _FP8_V = 1 + 1 / 32, 1 + 2 / 32
@@ -46,16 +47,23 @@ SPEED_MODES: dict[str, tuple[str, torch.dtype, dict[str, Any], float]] = {
     # label: (who steps, param dtype, options, bound bytes per param: grad read + param/master/state read and written)
     "torch AdamW foreach=True (fp32)": ("torch", torch.float32, {"foreach": True}, 4 + 3 * 8),
     "torch AdamW fused=True (fp32)": ("torch", torch.float32, {"fused": True}, 4 + 3 * 8),
+    "torch AdamW fused=True + grad norm + grads zeroed": ("torch+", torch.float32, {"fused": True}, 4 + 3 * 8),
     "fxzero fp32 state, fp32 params": ("fxzero", torch.float32, {}, 4 + 3 * 8),
     "fxzero fp32 state, fp32 params, fused=True": ("fxzero", torch.float32, {"fused": True}, 4 + 3 * 8),
     "fxzero fp32 state, bf16 params + fp32 masters": ("fxzero", torch.bfloat16, {}, 4 + 3 * 8 + 2),
+    "fxzero fp32 state, bf16 params + fp32 masters, fused=True": ("fxzero", torch.bfloat16, {"fused": True}, 4 + 3 * 8 + 2),
     "fxzero bf16 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16"}, 4 + 8 + 2 * 4),
     "fxzero fp8 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8"}, 4 + 8 + 2 * (_FP8_M + _FP8_V)),
     "fxzero bf16 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16", "compiled_update": True}, 4 + 8 + 2 * 4),
     "fxzero fp8 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8", "compiled_update": True},
                                           4 + 8 + 2 * (_FP8_M + _FP8_V)),
     "fxzero remainders": ("fxzero", torch.bfloat16, {"param_remainders": True}, 4 + 4 + 4 + 16),
+    "fxzero remainders, compiled_update": ("fxzero", torch.bfloat16, {"param_remainders": True, "compiled_update": True}, 4 + 4 + 4 + 16),
     "fxzero stochastic rounding": ("fxzero", torch.bfloat16, {"param_rounding": "stochastic"}, 4 + 3 * 8 + 2),
+    "fxzero stochastic rounding, compiled_update": ("fxzero", torch.bfloat16, {"param_rounding": "stochastic", "compiled_update": True},
+                                                    4 + 3 * 8 + 2),
+    "fxzero stochastic rounding, fused=True, compiled_update": ("fxzero", torch.bfloat16,
+                                                                {"param_rounding": "stochastic", "fused": True, "compiled_update": True}, 4 + 3 * 8 + 2),
     "torchao AdamW8bit": ("AdamW8bit", torch.float32, {}, 4 + 8 + 4 * _AO_8BIT),
     "torchao AdamWFp8": ("AdamWFp8", torch.float32, {}, 4 + 8 + 4 * _AO_8BIT),
 }
@@ -68,9 +76,30 @@ def _speed_model(dtype: torch.dtype) -> torch.nn.Module:
                                torch.nn.GELU(), torch.nn.Linear(1024, 1024, bias=False)).to(dtype)  # fmt: skip
 
 
-def _optimizer(who: str, model: torch.nn.Module, options: dict[str, Any], lr: float) -> torch.optim.Optimizer:
+class _SameWork:
+    """torch's AdamW doing the two passes over the gradients fxzero's ``step()`` makes besides the
+    update: the global norm (fxzero reports it, clips by it and skips a non-finite step on it) and
+    the zeroing of the gradients the next backward accumulates into (``zero_grad(set_to_none=False)``;
+    fxzero's flat buffer is zeroed in ``step()``). The peer that does the same work."""
+
+    def __init__(self, model: torch.nn.Module, **options: Any) -> None:
+        self.params = list(model.parameters())
+        self.inner = torch.optim.AdamW(self.params, **options)
+
+    def step(self) -> None:
+        torch.nn.utils.get_total_norm([p.grad for p in self.params], foreach=True)  # clip_grad_norm_ without the scaling
+        self.inner.step()
+        self.inner.zero_grad(set_to_none=False)
+
+    def zero_grad(self) -> None:
+        pass
+
+
+def _optimizer(who: str, model: torch.nn.Module, options: dict[str, Any], lr: float) -> Any:
     if who == "torch":
         return torch.optim.AdamW(model.parameters(), lr=lr, **options)
+    if who == "torch+":
+        return _SameWork(model, lr=lr, **options)
     if who == "fxzero":
         config = {k: v for k, v in options.items() if k in _FXZERO_OPTIONS}
         flags = {k: v for k, v in options.items() if k not in _FXZERO_OPTIONS}
@@ -96,7 +125,7 @@ def _speed_rank(rounds: int, labels: list[str]) -> dict[str, Any]:
     setups = {}
     for label in labels:
         who, dtype, options, _ = SPEED_MODES[label]
-        if who != "fxzero" and world > 1:
+        if not who.startswith("fxzero") and world > 1:
             continue
         model = _speed_model(dtype)
         setups[label] = (model, _optimizer(who, model, options, 1e-4))
@@ -117,9 +146,9 @@ def _speed_rank(rounds: int, labels: list[str]) -> dict[str, Any]:
             opt.zero_grad()
         bandwidth.append(_add_bandwidth())
     params = sum(p.numel() for p in _speed_model(torch.float32).parameters())
-    fused = [opt.runtime.local.fused for _, opt in setups.values() if getattr(getattr(opt, "runtime", None), "local", None) is not None
-             and getattr(opt.runtime.local, "fused", None) is not None]  # fmt: skip
-    return {"compile_s": fused[0].compile_seconds if fused else 0.0, "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()}, "bandwidth": statistics.median(bandwidth), "params": params}
+    compiles, seconds = compile_stats()
+    return {"compiles": compiles, "compile_s": seconds, "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
+            "bandwidth": statistics.median(bandwidth), "params": params}  # fmt: skip
 
 
 def _speed_rows(result: dict[str, Any], world: int) -> list[list[str]]:
@@ -132,12 +161,43 @@ def _speed_rows(result: dict[str, Any], world: int) -> list[list[str]]:
     return rows
 
 
+TARGETS: tuple[tuple[str, str, str, float], ...] = (
+    # (what, the row measured, the row it is held against, the most the ratio may be); "bound": the row's own bound
+    ("fp32 fused=True vs torch fused", "fxzero fp32 state, fp32 params, fused=True", "torch AdamW fused=True (fp32)", 1.2),
+    ("fp32 fused=True vs torch fused doing the same work", "fxzero fp32 state, fp32 params, fused=True",
+     "torch AdamW fused=True + grad norm + grads zeroed", 1.2),
+    ("bf16 state vs fxzero fp32 fused", "fxzero bf16 state, compiled_update", "fxzero fp32 state, fp32 params, fused=True", 1.0),
+    ("bf16 state vs its bound", "fxzero bf16 state, compiled_update", "bound", 1.5),
+    ("fp8 state vs fxzero fp32 fused", "fxzero fp8 state, compiled_update", "fxzero fp32 state, fp32 params, fused=True", 1.0),
+    ("fp8 state vs its bound", "fxzero fp8 state, compiled_update", "bound", 1.5),
+    ("remainders vs fp32-master fused", "fxzero remainders, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters, fused=True", 1.3),
+    ("remainders vs fp32-master (same flags)", "fxzero remainders, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters", 1.3),
+    ("stochastic vs nearest (same flags)", "fxzero stochastic rounding, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters", 1.2),
+    ("stochastic vs nearest, fused=True", "fxzero stochastic rounding, fused=True, compiled_update",
+     "fxzero fp32 state, bf16 params + fp32 masters, fused=True", 1.2),
+)
+
+
+def _target_rows(result: dict[str, Any], world: int) -> list[list[str]]:
+    """Each target of issue 54 as a ratio measured in these rounds, and whether it is met."""
+    rows, ms = [], result["ms"]
+    for what, row, against, most in TARGETS:
+        if row not in ms or (against != "bound" and against not in ms):
+            continue
+        base = 1e3 * SPEED_MODES[row][3] * result["params"] / world / result["bandwidth"] if against == "bound" else ms[against]
+        ratio = ms[row] / base
+        rows.append([what, f"{ms[row]:.1f} / {base:.1f}", f"{ratio:.2f}", f"<= {most}", "yes" if ratio <= most else "no"])
+    return rows
+
+
 # ---- drift -------------------------------------------------------------------------------------
 DRIFT_RUNS: dict[str, tuple[str, dict[str, Any]]] = {
     "torchao AdamW8bit": ("AdamW8bit", {}),
     "torchao AdamWFp8": ("AdamWFp8", {}),
     "fxzero bf16 state": ("fxzero", {"optimizer_state_dtype": "bf16"}),
     "fxzero fp8 state": ("fxzero", {"optimizer_state_dtype": "fp8"}),
+    "fxzero bf16 state, compiled_update": ("fxzero", {"optimizer_state_dtype": "bf16", "compiled_update": True}),
+    "fxzero fp8 state, compiled_update": ("fxzero", {"optimizer_state_dtype": "fp8", "compiled_update": True}),
 }
 
 
@@ -196,17 +256,17 @@ def _distance(a: list, b: list, start: list) -> float:
     return math.sqrt(sum(float((x - y).square().sum()) for x, y in zip(a, b))) / moved
 
 
-def _drift(checkpoints: tuple[int, ...], lrs: tuple[float, ...]) -> list[list[str]]:
+def _drift(checkpoints: tuple[int, ...], lrs: tuple[float, ...], labels: list[str]) -> list[list[str]]:
     rows = []
     for model_name, (build, _) in MODELS.items():
         start = [p.detach().clone() for p in build().parameters()]
         for lr in lrs:
             ref = _train(model_name, "torch", {}, lr, checkpoints)
-            runs = {label: _train(model_name, who, options, lr, checkpoints) for label, (who, options) in DRIFT_RUNS.items()}
+            runs = {label: _train(model_name, *DRIFT_RUNS[label], lr, checkpoints) for label in labels}
             for step in checkpoints:
                 ref_loss, ref_params = ref[step]
                 row = [model_name, f"{lr:g}", str(step), f"{ref_loss:.4f}"]
-                for label in DRIFT_RUNS:
+                for label in labels:
                     loss, params = runs[label][step]
                     row.append(f"{loss:.4f} ({loss / ref_loss - 1:+.1%}), {_distance(params, ref_params, start):.3f}")
                 rows.append(row)
@@ -221,6 +281,7 @@ def main() -> None:
     parser.add_argument("--skip-world-2", action="store_true")
     parser.add_argument("--skip-drift", action="store_true")
     parser.add_argument("--steps", default="100,300", help="drift checkpoints")
+    parser.add_argument("--only", default="", help="comma-separated parts of the labels of the rows to run, speed and drift (default: every row)")
     args = parser.parse_args()
     from tabulate import tabulate
 
@@ -229,22 +290,27 @@ def main() -> None:
     headers = ["update", "step() ms", "achieved GB/s", "x its bound", "x torch fused"]
     if not args.skip_speed:
         started = time.perf_counter()
-        one = _speed_rank(args.rounds, list(SPEED_MODES))
+        labels = [label for label in SPEED_MODES if not args.only or any(part in label for part in args.only.split(","))]
+        one = _speed_rank(args.rounds, labels)
         print(f"World 1, {one['params'] / 1e6:.2f}M params, torch.add_ {one['bandwidth'] / 1e9:.1f} GB/s in the same rounds, "
               f"median of {args.rounds} paired rounds ({time.perf_counter() - started:.0f} s; compiled_update's Inductor compiles "
-              f"{one['compile_s']:.0f} s, once, in round 0):\n")  # fmt: skip
+              f"{one['compile_s']:.0f} s, once, in round 0, {'cold' if one['compile_s'] > 20 else 'warm (Inductor cache)'}):\n")  # fmt: skip
         print(tabulate(_speed_rows(one, 1), headers=headers, tablefmt="github"), flush=True)
+        print(f"\nTargets at world 1 ({one['compiles']} Inductor graphs, {one['compile_s']:.0f} s):\n")
+        print(tabulate(_target_rows(one, 1), headers=["target", "ms / ms", "ratio", "target", "met"], tablefmt="github"), flush=True)
     if not args.skip_speed and not args.skip_world_2:
-        two = run_ranks(2, _speed_rank, args.rounds, list(SPEED_MODES), timeout=3600)[0]
+        labels = [label for label in SPEED_MODES if not args.only or any(part in label for part in args.only.split(","))]
+        two = run_ranks(2, _speed_rank, args.rounds, labels, timeout=3600)[0]
         close_pools()
         print(f"\nWorld 2 (gloo; step() includes the reduce-scatter and all-gather; rank 0's times), torch.add_ "
               f"{two['bandwidth'] / 1e9:.1f} GB/s; bound bytes are the rank's half:\n")  # fmt: skip
         print(tabulate(_speed_rows(two, 2), headers=headers, tablefmt="github"), flush=True)
     if not args.skip_drift:
         checkpoints = tuple(int(s) for s in args.steps.split(","))
-        rows = _drift(checkpoints, (1e-3, 3e-4))
+        labels = [label for label in DRIFT_RUNS if not args.only or any(part in label for part in args.only.split(","))]
+        rows = _drift(checkpoints, (1e-3, 3e-4), labels)
         print("\nDrift against torch.optim.AdamW with fp32 state (loss (its difference), param distance / the fp32 run's update):\n")
-        print(tabulate(rows, headers=["model", "lr", "step", "fp32 loss", *DRIFT_RUNS], tablefmt="github"))
+        print(tabulate(rows, headers=["model", "lr", "step", "fp32 loss", *labels], tablefmt="github"))
 
 
 if __name__ == "__main__":

@@ -222,12 +222,19 @@ class Config:
     ``optimizer_state_dtype`` says."""
 
     compiled_update: bool = False
-    """Step narrow moments (``bf16``/``fp8`` in ``optimizer_state_dtype``, ``exp_avg_dtype`` or
-    ``exp_avg_sq_dtype``) with one Inductor-generated pass per run of the shard instead of the eager
-    chain of torch ops (:mod:`fxzero.optim.update.fused_run`): the compile is paid once per process
-    (tens of seconds cold on a CPU), each step then reads and writes the run's bytes about once. Its
-    arithmetic is Inductor's, not op for op torch.optim's; fp32 state keeps the eager update (with
-    remainders, bitwise the half-away fp32-master run)."""
+    """Compile fxzero's own per-run work with Inductor instead of running it as an eager chain of
+    torch ops; the compiles are paid once per process (seconds with Inductor's cache warm, tens of
+    seconds cold on a CPU):
+
+    * narrow moments (``bf16``/``fp8`` in ``optimizer_state_dtype``, ``exp_avg_dtype`` or
+      ``exp_avg_sq_dtype``) step with one generated pass per run of the shard
+      (:mod:`fxzero.optim.update.fused_run`); its arithmetic is Inductor's, not op for op
+      torch.optim's, so params differ from the eager update's in the last bits;
+    * the bit operations of ``param_rounding="half_away"`` / ``"stochastic"`` and of
+      ``param_remainders`` run as one loop each (:mod:`fxzero.optim.params.rounding_kernels`), with the
+      eager ops' bits: remainders stay bitwise the half-away fp32-master run.
+
+    fp32 state keeps torch.optim's update (bitwise the wrapped class)."""
 
     param_remainders: bool = False
     """Keep no fp32 master for bf16 params: the bf16 param holds its high 16 bits and an int16

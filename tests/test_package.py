@@ -107,6 +107,7 @@ def test_cycle_finder_sees_a_cycle() -> None:
 
 LAYERS = (
     ("_torch_compat", "config", "version", "help_text", "rng"),
+    ("inductor_function",),  # a function compiled once per process by Inductor, its compiles counted (the update's loops)
     ("optim.communication",),  # the runtime's parts, by phase: the process group and the ranks' meeting
     ("optim.layout",),  # where params lie: plans, param table, buffers, shard views
     ("optim.state", "optim.params"),  # the wrapped optimizer's state; params after the step (the gather protocol)

@@ -39,6 +39,7 @@ MODES: dict[str, dict[str, Any]] = {
     "remainders": {"param_remainders": True},
     "remainders, bf16 state": {"param_remainders": True, "optimizer_state_dtype": "bf16"},
     "stochastic rounding": {"param_rounding": "stochastic"},
+    "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
 }
 
 
@@ -101,11 +102,11 @@ def test_stochastic_rounding_follows_the_master_in_expectation_and_repeats_itsel
 
 
 def test_the_rounding_hash_in_int32_gives_the_int64_forms_bits() -> None:
-    from fxzero.optim.params.bf16_rounding import _hash16, _hash16_wide
+    from fxzero.optim.params.bf16_rounding import _hash16_wide, hash16
 
     bits = torch.randint(-(2**31), 2**31 - 1, (100_000,), dtype=torch.int32, generator=torch.Generator().manual_seed(3))
     bits[:4] = torch.tensor([0, -1, 2**31 - 1, -(2**31)], dtype=torch.int32)
-    assert torch.equal(_hash16(bits), _hash16_wide(bits))
+    assert torch.equal(hash16(bits), _hash16_wide(bits))
 
 
 def test_8_bit_blocks_decode_what_they_encode_again_within_their_rounding() -> None:
@@ -213,7 +214,7 @@ def test_other_classes_and_unsupported_flags_are_refused_naming_the_option() -> 
         fxzero.Config(optimizer_state_dtype="int8")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("label", ["bf16 state", "fp8 state", "remainders", "stochastic rounding"])
+@pytest.mark.parametrize("label", ["bf16 state", "fp8 state", "remainders", "stochastic rounding", "bf16 state, compiled update"])
 def test_every_mode_resumes_bitwise_from_a_checkpoint(label: str, tmp_path: Any) -> None:
     """A 4-step run saves after step 2 (``fxzero.save_checkpoint`` and ``opt.state_dict()``); a fresh
     model and optimizer load either, take the run's generator state (dropout), and end bitwise alike."""
@@ -255,7 +256,8 @@ def test_state_loads_across_modes_rounding_only_what_the_narrower_mode_cannot_ke
     state = source["opt"].state_dict()
     # bf16: half an ulp of each element; 8-bit: within its block's scale (relative ~2^-4, the
     # second moment's root rounded up one code: ~2^-3, squared), small elements to 2^-9 of the largest
-    for label, relative, floor in (("bf16 state", 2**-8, 0.0), ("fp8 state", 0.27, 2**-9), ("remainders", 0.0, 0.0)):
+    for label, relative, floor in (("bf16 state", 2**-8, 0.0), ("fp8 state", 0.27, 2**-9), ("remainders", 0.0, 0.0),
+                                   ("bf16 state, compiled update", 2**-8, 0.0)):  # fmt: skip
         model = copy.deepcopy(source["model"])
         opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model,
                                           config=fxzero.Config(bucket_size=2000, **MODES[label]))  # fmt: skip
@@ -282,6 +284,8 @@ COMPILED = {  # label -> options; the same compiled graphs serve every run (runs
     "fp8 state, mxfp8 gather": {"optimizer_state_dtype": "fp8", "mxfp8_param_gather": True},
     "bf16 state, mxfp8 gather": {"optimizer_state_dtype": "bf16", "mxfp8_param_gather": True},
     "mxfp8 gather": {"mxfp8_param_gather": True},
+    "remainders, compiled update": {"param_remainders": True, "compiled_update": True},
+    "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
 }
 
 
@@ -299,8 +303,8 @@ def _modes(inner: Any) -> dict[str, Any]:
 
 
 def _check_modes(runs: dict[str, Any]) -> None:
-    assert _same(runs["remainders"], runs["half_away"])
-    for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
+    assert _same(runs["remainders"], runs["half_away"]) and _same(runs["remainders, compiled update"], runs["half_away"])
+    for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5), ("bf16 state, compiled update", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
         assert _drift(runs[label], runs["fp32"]) < bound * STEPS, (label, _drift(runs[label], runs["fp32"]))
     # MXFP8 params: the comparison's resolution is one E4M3 code of the largest weight (3 mantissa bits:
     # 2^-4 for weights in [0.5, 1), 6.25 lr), which a narrow moment's rounding may flip
@@ -418,3 +422,48 @@ def test_the_compiled_run_update_compiles_once_per_kinds_and_steps_like_the_eage
         assert fused.compiles == first  # a fresh optimizer of the same kinds: the same graph
         assert _drift(compiled, eager) < 0.5 * 2, (options, _drift(compiled, eager))
         assert compiled["opt"].state_bytes == eager["opt"].state_bytes
+
+
+def test_both_bf16_moments_packed_in_one_word_keep_what_two_bf16_tensors_keep() -> None:
+    """The compiled update's store of two bf16 moments (one int32 word per element) rounds, loads and
+    exports exactly as two bf16 tensors (``copy_``: to nearest even, overflow to inf) do."""
+    from fxzero.optim.update.moment_store import make_stores
+
+    g = torch.Generator().manual_seed(5)
+    n = 1000
+    m = torch.randn(n, generator=g) * 10 ** torch.empty(n).uniform_(-30, 38, generator=g)
+    v = torch.rand(n, generator=g) * 10 ** torch.empty(n).uniform_(-38, 38, generator=g)
+    m[:3] = torch.tensor([3.4e38, -0.0, float("inf")])
+    paired = make_stores(("bf16", "bf16"), n, torch.device("cpu"), paired=True)
+    plain = make_stores(("bf16", "bf16"), n, torch.device("cpu"), paired=False)
+    assert [s.nbytes for s in paired] == [s.nbytes for s in plain] == [2 * n, 2 * n]
+    for stores in (paired, plain):
+        stores[0].save(m.clone())
+        stores[1].save(v.clone())
+    for a, b in zip(paired, plain):
+        assert torch.equal(a.load(), b.load()) and torch.equal(a.export(), b.export()) and a.export().dtype == torch.bfloat16
+    assert torch.equal(paired[0].load(), m.bfloat16().float()) and torch.equal(paired[1].load(), v.bfloat16().float())
+
+
+def test_the_first_moments_block_exponents_are_frexp_and_exp2_computed_from_bits() -> None:
+    """The 8-bit first moment's scales are built from fp32 bits (``torch.frexp`` / ``torch.exp2`` are libm
+    calls per element in Inductor's loops); they must be the exponent ``ceil(log2(amax / 448))`` and the
+    power of two that frexp and exp2 give, for blocks of every magnitude, zero and subnormal ones included."""
+
+    def reference_encode(blocks: torch.Tensor, codes: torch.Tensor, exponents: torch.Tensor) -> None:
+        mantissa, exponent = torch.frexp(blocks.abs().amax(dim=1) / 448.0)
+        exponent = (exponent - mantissa.eq(0.5).to(exponent.dtype)).clamp(-127, 127)
+        exponents.copy_(exponent)
+        codes.copy_((blocks / torch.exp2(exponent.to(torch.float32)).unsqueeze(1)).clamp(-448.0, 448.0))
+
+    g = torch.Generator().manual_seed(0)
+    blocks = torch.randn(4000, 32, generator=g) * 10 ** torch.empty(4000, 1).uniform_(-46, 38, generator=g)
+    blocks[:2] = 0
+    blocks[2:6, 0] = torch.tensor([448 * 2.0**-127, 448 * 2.0**-126, 1e-45, 448 * 1.5 * 2.0**-127])
+    blocks[6] = 3.4e38
+    want = (torch.empty(4000, 32, dtype=torch.float8_e4m3fn), torch.empty(4000, dtype=torch.int8))
+    got = (torch.empty_like(want[0]), torch.empty_like(want[1]))
+    reference_encode(blocks, *want)
+    BlockStore.encode(blocks, *got)
+    assert torch.equal(want[0].view(torch.uint8), got[0].view(torch.uint8)) and torch.equal(want[1], got[1])
+    assert torch.equal(BlockStore.decode(*got), want[0].float() * torch.exp2(want[1].float()).unsqueeze(1))

@@ -26,7 +26,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["ROUNDINGS", "Rounding", "join", "round_into", "split"]
+__all__ = ["ROUNDINGS", "Rounding", "hash16", "join", "round_into", "split"]
 
 Rounding = Literal["nearest_even", "half_away", "stochastic"]
 ROUNDINGS = ("nearest_even", "half_away", "stochastic")
@@ -41,7 +41,7 @@ def round_into(master: torch.Tensor, out: torch.Tensor, rounding: Rounding) -> N
         out.copy_(master)
         return
     bits = master.view(torch.int32)
-    add = _HALF if rounding == "half_away" else _hash16(bits)
+    add = _HALF if rounding == "half_away" else hash16(bits)
     out.view(torch.int16).copy_(torch.add(bits, add).bitwise_right_shift_(16))
 
 
@@ -60,7 +60,7 @@ def join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     return high.add_(remainder).view(torch.float32)
 
 
-def _hash16(bits: torch.Tensor) -> torch.Tensor:
+def hash16(bits: torch.Tensor) -> torch.Tensor:
     """16 pseudo-random bits per element, a function of its 32 bits. int32 arithmetic that wraps as
     unsigned 32-bit arithmetic does (a product's low 32 bits do not depend on the sign; the shift is
     made logical by its mask): the same bits as the int64 form, at half its bytes and a third of its ops."""
@@ -70,7 +70,7 @@ def _hash16(bits: torch.Tensor) -> torch.Tensor:
 
 
 def _hash16_wide(bits: torch.Tensor) -> torch.Tensor:
-    """:func:`_hash16` in int64 arithmetic, which cannot overflow: its reference (tested equal)."""
+    """:func:`hash16` in int64 arithmetic, which cannot overflow: its reference (tested equal)."""
     wide = bits.to(torch.int64).bitwise_and_(0xFFFFFFFF)
     wide.mul_(_GOLDEN).bitwise_and_(0xFFFFFFFF)
     wide.bitwise_xor_(wide >> 15).mul_(0x2C1B3C6D).bitwise_and_(0xFFFFFFFF)

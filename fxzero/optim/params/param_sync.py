@@ -56,7 +56,8 @@ import torch.distributed as dist
 from ..._torch_compat import profiler_enabled, tensor_version
 from ..layout.buffers import Bucket
 from ..communication.comm import DataParallelGroup
-from .bf16_rounding import Rounding, round_into
+from .bf16_rounding import Rounding
+from .rounding_kernels import EAGER, RoundingKernels
 
 __all__ = ["Gather", "ParamSync", "PlainGather", "as_words", "written_in_flight"]
 
@@ -91,15 +92,16 @@ class PlainGather:
 
     needs_landing = False
 
-    def __init__(self, buckets: Sequence[Bucket], dp: DataParallelGroup, rounding: Rounding = "nearest_even") -> None:
-        """``rounding``: how fp32 masters become bf16 params (:mod:`.bf16_rounding`)."""
-        self.buckets, self.dp = tuple(buckets), dp
+    def __init__(self, buckets: Sequence[Bucket], dp: DataParallelGroup, rounding: Rounding = "nearest_even",
+                 kernels: RoundingKernels = EAGER) -> None:  # fmt: skip
+        """``rounding``: how fp32 masters become bf16 params (:mod:`.bf16_rounding`), by ``kernels``."""
+        self.buckets, self.dp, self.kernels = tuple(buckets), dp, kernels
         self._inputs = [b.param_shards[dp.rank] for b in self.buckets]
         self._rounding = [rounding if b.param_data.dtype == torch.bfloat16 else "nearest_even" for b in self.buckets]
 
     def publish(self, index: int, main: torch.Tensor) -> None:
         if main is not self._inputs[index]:  # fp32 params (or remainders): the main shard is the param shard
-            round_into(main, self._inputs[index], self._rounding[index])
+            self.kernels.round_into(main, self._inputs[index], self._rounding[index])
 
     def launch(self, index: int) -> Optional[dist.Work]:
         if self.dp.size == 1:
@@ -117,7 +119,7 @@ class PlainGather:
         if main is out or out.dtype != torch.bfloat16:
             out.copy_(main)
         else:  # publish's own rounding
-            round_into(main, out, self._rounding[index])
+            self.kernels.round_into(main, out, self._rounding[index])
 
     nbytes = 0
 

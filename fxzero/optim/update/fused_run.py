@@ -7,10 +7,15 @@ the same update is one function of the run's stored tensors (codes and scales, r
 param, the gradient), compiled by Inductor with dynamic shapes, so one generated kernel serves every
 run of a mode and the run's bytes are read and written about once.
 
-* **Why not for every mode**: Inductor's arithmetic is not op for op torch.optim's (it fuses and
-  reorders, and takes the step size as an fp32 tensor), so its params differ from the eager update's
-  in the last bits. Modes with a bitwise promise (fp32 state with remainders: bitwise the half-away
-  fp32-master run) keep the eager update; this serves runs with at least one narrow moment.
+* **Why not for every mode**: Inductor's arithmetic is not torch.optim's to the last bit. Eager
+  ``torch.sqrt`` on the CPU is not correctly rounded (it differed from the correctly rounded root,
+  which Inductor's loop computes, on 17% of random fp32 inputs on this project's machine), eager
+  ``lerp_`` and ``addcmul_`` use fused multiply-adds that Inductor's loops (compiled with
+  ``-ffp-contract=off``) do not, and here ``sqrt(v)`` is multiplied by the inverse of the bias
+  correction instead of divided (one division per element, not two). So modes with a bitwise
+  promise (fp32 state with remainders: bitwise the half-away fp32-master run) keep the eager Adam
+  arithmetic, with their bit operations compiled (:mod:`~fxzero.optim.params.rounding_kernels`);
+  this serves runs with at least one narrow moment.
 * **No recompiles per step**: the hyperparameters and bias corrections come in one fp32 tensor, and
   the shapes are dynamic, so a new step, a new lr or another run of the same kinds reuses the graph.
   One graph per kinds of moments, remainders and flags (the guards on the inputs' dtypes pick it).
@@ -21,20 +26,21 @@ run of a mode and the run's bytes are read and written about once.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ..._torch_compat import inductor_compile, recompile_limit
-from ..params import bf16_rounding
-from .moment_store import BLOCK, BlockStore, MomentStore, PlainStore, RootStore
+from ...inductor_function import shared
+from ..params import rounding_kernels
+from .moment_store import BLOCK, HIGH_HALF, BlockStore, MomentStore, PairHalf, PlainStore, RootStore, nearest_bf16_bits
 
 __all__ = ["FusedRunUpdate"]
 
 
 def _parts(store: MomentStore) -> tuple[torch.Tensor, ...]:
+    if isinstance(store, PairHalf):
+        return (store.words,) if store.high else ()  # the first moment's parts carry the word of both
     if isinstance(store, PlainStore):
         return (store.values,)
     return (store.codes, store.scales)  # type: ignore[union-attr]
@@ -57,50 +63,49 @@ def _encode(kind: str, values: torch.Tensor, parts: Sequence[torch.Tensor]) -> N
 
 
 def _kind(store: MomentStore) -> str:
+    if isinstance(store, PairHalf):
+        return "pair"
     return "plain" if isinstance(store, PlainStore) else "block" if isinstance(store, BlockStore) else "root"
+
+
+def _moments(kinds: tuple[str, str], m_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor], n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if kinds[0] == "pair":
+        words = m_parts[0]
+        return (words & HIGH_HALF).view(torch.float32), (words << 16).view(torch.float32)
+    return _decode(kinds[0], m_parts, n), _decode(kinds[1], v_parts, n)
+
+
+def _keep_moments(kinds: tuple[str, str], m: torch.Tensor, v: torch.Tensor, m_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor]) -> None:
+    if kinds[0] == "pair":
+        m_parts[0].copy_(nearest_bf16_bits(m) | ((nearest_bf16_bits(v) >> 16) & 0xFFFF))
+        return
+    _encode(kinds[0], m, m_parts)
+    _encode(kinds[1], v, v_parts)
 
 
 def _adam_run(param: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor, m_parts: Sequence[torch.Tensor],
               v_parts: Sequence[torch.Tensor], scalars: torch.Tensor, kinds: tuple[str, str], flags: tuple[bool, bool, bool]) -> None:  # fmt: skip
     """The update of :func:`~fxzero.optim.update.shard_adam._adam` on one run, its stores read and written here."""
     decoupled, maximize, decay = flags
-    lr, beta1, beta2, eps, weight_decay, step_size, bias_correction2_sqrt = scalars.unbind()
+    lr, beta1, beta2, eps, weight_decay, step_size, inverse_bias_correction2_sqrt = scalars.unbind()
     n = grad.numel()
-    master = param if remainder is None else bf16_rounding.join(param, remainder)
+    master = param if remainder is None else rounding_kernels.join_values(param, remainder)
     g = -grad.float() if maximize else grad.float()
     if decay and decoupled:
         master = master * (1 - lr * weight_decay)
     elif decay:
         g = g + weight_decay * master
-    m = _decode(kinds[0], m_parts, n).lerp(g, 1 - beta1)
-    v = _decode(kinds[1], v_parts, n) * beta2 + (1 - beta2) * g * g
-    master = master - step_size * m / (v.sqrt() / bias_correction2_sqrt + eps)
-    _encode(kinds[0], m, m_parts)
-    _encode(kinds[1], v, v_parts)
+    m, v = _moments(kinds, m_parts, v_parts, n)
+    m = m.lerp(g, 1 - beta1)
+    v = v * beta2 + (1 - beta2) * g * g
+    master = master - step_size * m / (v.sqrt() * inverse_bias_correction2_sqrt + eps)  # one division per element, not two
+    _keep_moments(kinds, m, v, m_parts, v_parts)
     if remainder is None:
         param.copy_(master)
     else:
-        bf16_rounding.split(master, param, remainder)
+        rounding_kernels.split_bits(master.view(torch.int32), param, remainder)
 
 
-class _Compiled:
-    """:func:`_adam_run` compiled once per process, with its compile count and time (every
-    :class:`FusedRunUpdate` shares it: the compile is per kinds of run, not per optimizer)."""
-
-    def __init__(self) -> None:
-        self.compiles = 0
-        self.compile_seconds = 0.0
-        self.fn = torch.compile(_adam_run, backend=self._backend, dynamic=True, fullgraph=True)
-
-    def _backend(self, gm: Any, example_inputs: Any) -> Any:
-        start = time.perf_counter()
-        compiled = inductor_compile(gm, example_inputs)
-        self.compiles += 1
-        self.compile_seconds += time.perf_counter() - start
-        return compiled
-
-
-_COMPILED: list[_Compiled] = []
 _KINDS_LIMIT = 64
 """Graphs of :func:`_adam_run` at most: 3 x 3 kinds of moments x remainders x 3 flags, and shape guards."""
 
@@ -109,14 +114,12 @@ class FusedRunUpdate:
     """The compiled run update of one :class:`~fxzero.optim.update.shard_adam.ShardAdamW`."""
 
     def __init__(self) -> None:
-        if not _COMPILED:
-            _COMPILED.append(_Compiled())
-        self._compiled = _COMPILED[0]
+        self._compiled = shared(_adam_run, _KINDS_LIMIT)
         self._scalars: Optional[torch.Tensor] = None
 
     @property
     def compiles(self) -> int:
-        """Graphs compiled in this process so far (by every optimizer's compiled update)."""
+        """Graphs of the run update compiled in this process so far (by every optimizer's)."""
         return self._compiled.compiles
 
     @property
@@ -127,11 +130,9 @@ class FusedRunUpdate:
     def __call__(self, param: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor, exp_avg: MomentStore,
                  exp_avg_sq: MomentStore, step: int, hyper: tuple) -> None:  # fmt: skip
         lr, beta1, beta2, eps, weight_decay, maximize, decoupled = hyper
-        values = (lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5)
+        values = (lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), 1 / (1 - beta2**step) ** 0.5)
         if self._scalars is None or self._scalars.device != param.device:
             self._scalars = torch.empty(len(values), dtype=torch.float32, device=param.device)
         self._scalars.copy_(torch.tensor(values, dtype=torch.float32))
         flags = (bool(decoupled), bool(maximize), weight_decay != 0)
-        with recompile_limit(_KINDS_LIMIT):
-            self._compiled.fn(param, remainder, grad, _parts(exp_avg), _parts(exp_avg_sq), self._scalars,
-                              (_kind(exp_avg), _kind(exp_avg_sq)), flags)  # fmt: skip
+        self._compiled(param, remainder, grad, _parts(exp_avg), _parts(exp_avg_sq), self._scalars, (_kind(exp_avg), _kind(exp_avg_sq)), flags)

@@ -39,8 +39,9 @@ from ..layout.shards import FragmentTensor
 from ..params import bf16_rounding
 from ..state.state_dict import REMAINDER_KEY
 from .flat_update import Place, Run, plan_runs
+from ..params.rounding_kernels import RoundingKernels
 from .fused_run import FusedRunUpdate
-from .moment_store import MomentStore, make_store
+from .moment_store import MomentStore, make_stores
 
 __all__ = ["ADAM_CLASSES", "ShardAdamW", "UNSUPPORTED_FLAGS"]
 
@@ -66,12 +67,12 @@ class _RunState:
     spans: list[slice]
     """Where each fragment of the run lies in it."""
 
-    def master(self) -> torch.Tensor:
-        return self.param if self.remainder is None else bf16_rounding.join(self.param, self.remainder)
+    def master(self, kernels: RoundingKernels) -> torch.Tensor:
+        return self.param if self.remainder is None else kernels.join(self.param, self.remainder)
 
-    def keep_master(self, master: torch.Tensor) -> None:
+    def keep_master(self, master: torch.Tensor, kernels: RoundingKernels) -> None:
         if self.remainder is not None:
-            bf16_rounding.split(master, self.param, self.remainder)
+            kernels.split(master, self.param, self.remainder)
 
 
 class ShardAdamW(torch.optim.Optimizer):
@@ -83,14 +84,16 @@ class ShardAdamW(torch.optim.Optimizer):
     ) -> None:  # fmt: skip
         super().__init__(groups, {})
         self.fragments, self.decoupled, self.state_dtypes = tuple(fragments), decoupled, state_dtypes
+        self.fused = FusedRunUpdate() if compiled and state_dtypes != ("fp32", "fp32") else None
+        """The Inductor-generated run update (``Config.compiled_update``), for narrow moments only
+        (:mod:`~fxzero.optim.update.fused_run` says why)."""
         self._runs = [self._run_state(run, remainders) for run in plan_runs(places)]
         self.remainders = any(rs.remainder is not None for rs in self._runs)
         """Whether some masters are kept as remainders (:class:`~fxzero.optim.state.fragment_store.FragmentStore`)."""
         self._where = {id(self.fragments[i].param): (r, k) for r, rs in enumerate(self._runs) for k, i in enumerate(rs.run.fragments)}
         self._cache: dict[int, tuple[list[torch.Tensor], int, list[int]]] = {}
-        self.fused = FusedRunUpdate() if compiled and state_dtypes != ("fp32", "fp32") else None
-        """The Inductor-generated run update (``Config.compiled_update``), for narrow moments only
-        (:mod:`~fxzero.optim.update.fused_run` says why)."""
+        self.kernels = RoundingKernels(compiled)
+        """How masters are split into params and remainders and joined again (compiled with the update)."""
         self.state = _FragmentStates(self)  # type: ignore[assignment]
 
     def _run_state(self, run: Run, remainders: bool) -> _RunState:
@@ -103,9 +106,8 @@ class ShardAdamW(torch.optim.Optimizer):
         for i in run.fragments:
             lo = self.fragments[i].param.storage_offset() - run.start
             spans.append(slice(lo, lo + self.fragments[i].param.numel()))
-        device = param.device
-        return _RunState(run, param, grad, make_store(self.state_dtypes[0], n, device, second=False),
-                         make_store(self.state_dtypes[1], n, device, second=True), remainder, [0] * len(run.fragments), spans)  # fmt: skip
+        exp_avg, exp_avg_sq = make_stores(self.state_dtypes, n, param.device, paired=self.fused is not None)
+        return _RunState(run, param, grad, exp_avg, exp_avg_sq, remainder, [0] * len(run.fragments), spans)
 
     # ---- the step -------------------------------------------------------------------
     @torch.no_grad()
@@ -140,7 +142,7 @@ class ShardAdamW(torch.optim.Optimizer):
             self.fused(rs.param, rs.remainder, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper)
             rs.steps = [steps[0] + 1] * len(steps)
             return
-        master, m, v = rs.master(), rs.exp_avg.load(), rs.exp_avg_sq.load()
+        master, m, v = rs.master(self.kernels), rs.exp_avg.load(), rs.exp_avg_sq.load()
         if whole and steps.count(steps[0]) == len(steps):
             _adam(master, rs.grad, m, v, steps[0] + 1, hyper)
             rs.steps = [steps[0] + 1] * len(steps)
@@ -152,7 +154,7 @@ class ShardAdamW(torch.optim.Optimizer):
                     _adam(master[at], rs.grad[at], m[at], v[at], steps[k], hyper)
         rs.exp_avg.save(m)
         rs.exp_avg_sq.save(v)
-        rs.keep_master(master)
+        rs.keep_master(master, self.kernels)
 
     # ---- the state, per fragment -------------------------------------------------------
     def fragment_state(self, index: int) -> dict[str, Any]:

@@ -1,0 +1,86 @@
+"""The bit operations of :mod:`.bf16_rounding`, eager or Inductor-compiled, with the same bits.
+
+Rounding fp32 masters into bf16 params (``"half_away"``, ``"stochastic"``), splitting them into
+param and remainder and joining them again are integer arithmetic on the masters' bit patterns.
+Eagerly each is a chain of up to nine torch ops, a pass over memory each: stochastic rounding
+cost 2.5x a whole fp32 AdamW step (``benchmarks/update.py``). Integer arithmetic has one
+answer, so Inductor's single loop gives the eager chain's bits exactly (checked element for
+element in ``tests/test_rounding_kernels.py``, hash included); with ``Config.compiled_update``
+the step uses these.
+
+**How the loops stay vectorized.** Inductor's CPU code generator vectorizes int32 and float
+arithmetic but falls back to a scalar loop for a bit cast from float and for int16 stores. So
+the masters come in as int32 views (the cast is a view made outside the graph), and a bf16 param
+is written as the fp32 value whose low 16 bits are zero (``bits & 0xFFFF0000``): converting it
+to bf16 is exact, and vectorized. The remainder (int16) is the one scalar store left.
+
+Differs from the eager ops only on NaN masters whose payload lies in the high 16 bits (bf16
+conversion makes them the canonical NaN; the eager shift keeps the payload): a NaN param either way.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...inductor_function import shared
+from . import bf16_rounding
+from .bf16_rounding import Rounding
+
+__all__ = ["EAGER", "RoundingKernels", "join_values", "round_bits", "split_bits"]
+
+_HALF = 0x8000
+_HIGH = -65536  # 0xFFFF0000 as an int32
+
+
+def round_bits(bits: torch.Tensor, out: torch.Tensor, stochastic: bool) -> None:
+    """``round_into`` on the masters' bits (an int32 view), half away or stochastic, into bf16 ``out``."""
+    add = bf16_rounding.hash16(bits) if stochastic else _HALF
+    out.copy_(torch.add(bits, add).bitwise_and_(_HIGH).view(torch.float32))
+
+
+def split_bits(bits: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
+    """``split`` on the masters' bits (an int32 view)."""
+    high = torch.add(bits, _HALF).bitwise_and_(_HIGH)
+    param.copy_(high.view(torch.float32))
+    remainder.copy_((bits - high).to(torch.int16))
+
+
+def join_values(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+    """``join`` without a bit cast of a bf16 param: its fp32 value's bits are the param's shifted left by 16."""
+    return (param.float().view(torch.int32) + remainder.to(torch.int32)).view(torch.float32)
+
+
+_GRAPHS = 8
+"""Graphs per function at most: one per rounding and kinds of input (contiguous or not)."""
+
+
+class RoundingKernels:
+    """:func:`~.bf16_rounding.round_into`, :func:`~.bf16_rounding.split` and :func:`~.bf16_rounding.join`,
+    eager (``compiled=False``) or as one Inductor-generated loop each, with the same bits."""
+
+    def __init__(self, compiled: bool) -> None:
+        self.compiled = compiled
+
+    def round_into(self, master: torch.Tensor, out: torch.Tensor, rounding: Rounding) -> None:
+        """Write fp32 ``master`` into the bf16 tensor ``out`` with ``rounding``."""
+        if not self.compiled or rounding == "nearest_even":  # nearest even is one copy_ already
+            bf16_rounding.round_into(master, out, rounding)
+            return
+        shared(round_bits, _GRAPHS)(master.view(torch.int32), out, rounding == "stochastic")
+
+    def split(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
+        """fp32 ``master`` -> bf16 ``param`` (half away) and int16 ``remainder``."""
+        if not self.compiled:
+            bf16_rounding.split(master, param, remainder)
+            return
+        shared(split_bits, _GRAPHS)(master.view(torch.int32), param, remainder)
+
+    def join(self, param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
+        """The fp32 master ``param`` and ``remainder`` stand for (a new tensor)."""
+        if not self.compiled:
+            return bf16_rounding.join(param, remainder)
+        return shared(join_values, _GRAPHS)(param, remainder)
+
+
+EAGER = RoundingKernels(compiled=False)
+"""The eager ops (what every caller gets unless ``Config.compiled_update`` is set)."""
