@@ -70,7 +70,6 @@ from .optim.params.initial_broadcast import broadcast_initial_state
 from .optim.params.param_sync import Gather, ParamSync, PlainGather
 from .optim.params.param_waits import install_param_waits
 from .optim.params.param_watch import ParamWatch
-from .optim.params.rounding_kernels import RoundingKernels
 from .optim.state.state_check import StateProbe
 from .optim.state.sharded_state import ShardedState
 from .optim.state.state_dict import hyperparameters
@@ -210,7 +209,7 @@ def build_runtime(
     if config.mxfp8_param_gather:
         gather: Gather = Mxfp8Gather(buckets, dp, reuse_grad_buffer=reuse)
     else:
-        gather = PlainGather(buckets, dp, config.resolved_param_rounding, RoundingKernels(config.compiled_update))
+        gather = PlainGather(buckets, dp, config.resolved_param_rounding, compiled=config.compiled_update)
     param_sync = ParamSync(buckets, dp, overlap=overlap, gather=gather, described=described)
     ledger = Ledger(table, len(buckets))
     reductions = GradReductions(buckets, dp, ledger, reduction_for(buckets, dp, described), described=described,

@@ -12,7 +12,8 @@ would allocate, for any data-parallel size, and adds what its step keeps per ran
   optimizer's per-element states (AdamW: 2) in ``Config.optimizer_state_dtype``, and a 4-byte
   step count per param fragment the shard holds (torch's Adam keeps ``step`` as a tensor);
 * **fp32 masters**: of the shard, when params are not fp32 (int16 remainders with
-  ``param_remainders``);
+  ``param_remainders``, and the fp32 scratch the step rebuilds one run's master in: at most one
+  bucket's shard and :data:`~fxzero.optim.update.flat_update.MAX_RUN_NUMEL` elements, counted at that bound);
 * **gather scratch**: 0, fxzero gathers into the param buffer in place (MXFP8 is not sized here);
 * **gradient exchange scratch** (``transport="gloo"``): the chunked all-to-all's receive slots
   (:mod:`~fxzero.optim.gradients.grad_exchange`: ``SLOTS`` x ``(dp - 1)`` x ``CHUNK_BYTES``, and an
@@ -42,6 +43,7 @@ from .._torch_compat import nccl_collective_ms
 from ..config import Config
 from ..optim.gradients.grad_exchange import CHUNK_BYTES, SLOTS
 from ..optim.layout.layout import plan_buckets, shard_fragments
+from ..optim.update.flat_update import MAX_RUN_NUMEL
 from .activations import ActivationEstimate
 
 __all__ = ["SizeReport", "size_run"]
@@ -215,6 +217,8 @@ def size_run(model: torch.nn.Module, dp: int, *, tp: int = 1, instances: int = 1
     state = sum(n * states_per_element * _STATE_BYTES[config.optimizer_state_dtype] for n in shard.values())
     state += step_bytes * sum(len(shard_fragments(plan, rank % shard_ranks)) for _, plan in plans)
     masters = sum(n * (2 if config.param_remainders else 4) for dtype, n in shard.items() if dtype != torch.float32)
+    if config.param_remainders and any(dtype == torch.bfloat16 for dtype in shard):  # the step's fp32 scratch: one run at most
+        masters += 4 * min(MAX_RUN_NUMEL, max(b.numel // shard_ranks for dtype, plan in plans if dtype == torch.bfloat16 for b in plan.buckets))
     grad_sizes = [b.numel * grad_item(dtype) for dtype, plan in plans for b in plan.buckets]
     param_sizes = [b.numel * dtype.itemsize for dtype, plan in plans for b in plan.buckets]
     collectives = []

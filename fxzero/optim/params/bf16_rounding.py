@@ -22,7 +22,7 @@ All three work on magnitudes: a negative value rounds as its absolute value woul
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Optional
 
 import torch
 
@@ -54,10 +54,15 @@ def split(master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) ->
     remainder.copy_(bits - high.bitwise_left_shift_(16))
 
 
-def join(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-    """The fp32 master that ``param`` (bf16) and ``remainder`` (int16) stand for (a new tensor)."""
-    high = param.view(torch.int16).to(torch.int32).bitwise_left_shift_(16)
-    return high.add_(remainder).view(torch.float32)
+def join(param: torch.Tensor, remainder: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The fp32 master that ``param`` (bf16) and ``remainder`` (int16) stand for: written into ``out``
+    (fp32, the same shape: the step's scratch, so the update allocates nothing) or a new tensor."""
+    if out is None:
+        high = param.view(torch.int16).to(torch.int32)
+    else:
+        high = out.view(torch.int32)
+        high.copy_(param.view(torch.int16))
+    return high.bitwise_left_shift_(16).add_(remainder).view(torch.float32)
 
 
 def hash16(bits: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ from ..._torch_compat import profiler_enabled, tensor_version
 from ..layout.buffers import Bucket
 from ..communication.comm import DataParallelGroup
 from .bf16_rounding import Rounding
-from .rounding_kernels import EAGER, RoundingKernels
+from .rounding_kernels import RoundingKernels
 
 __all__ = ["Gather", "ParamSync", "PlainGather", "as_words", "written_in_flight"]
 
@@ -93,9 +93,10 @@ class PlainGather:
     needs_landing = False
 
     def __init__(self, buckets: Sequence[Bucket], dp: DataParallelGroup, rounding: Rounding = "nearest_even",
-                 kernels: RoundingKernels = EAGER) -> None:  # fmt: skip
-        """``rounding``: how fp32 masters become bf16 params (:mod:`.bf16_rounding`), by ``kernels``."""
-        self.buckets, self.dp, self.kernels = tuple(buckets), dp, kernels
+                 compiled: bool = False) -> None:  # fmt: skip
+        """``rounding``: how fp32 masters become bf16 params (:mod:`.bf16_rounding`), by Inductor-compiled
+        loops when ``compiled`` (``Config.compiled_update``: the same bits)."""
+        self.buckets, self.dp, self.kernels = tuple(buckets), dp, RoundingKernels(compiled)
         self._inputs = [b.param_shards[dp.rank] for b in self.buckets]
         self._rounding = [rounding if b.param_data.dtype == torch.bfloat16 else "nearest_even" for b in self.buckets]
 

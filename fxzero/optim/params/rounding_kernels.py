@@ -20,13 +20,15 @@ conversion makes them the canonical NaN; the eager shift keeps the payload): a N
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ...inductor_function import shared
 from . import bf16_rounding
 from .bf16_rounding import Rounding
 
-__all__ = ["EAGER", "RoundingKernels", "join_values", "round_bits", "split_bits"]
+__all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "split_bits"]
 
 _HALF = 0x8000
 _HIGH = -65536  # 0xFFFF0000 as an int32
@@ -48,6 +50,11 @@ def split_bits(bits: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor)
 def join_values(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
     """``join`` without a bit cast of a bf16 param: its fp32 value's bits are the param's shifted left by 16."""
     return (param.float().view(torch.int32) + remainder.to(torch.int32)).view(torch.float32)
+
+
+def join_into(param: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -> None:
+    """:func:`join_values` written into ``out``."""
+    out.copy_(join_values(param, remainder))
 
 
 _GRAPHS = 8
@@ -75,12 +82,11 @@ class RoundingKernels:
             return
         shared(split_bits, _GRAPHS)(master.view(torch.int32), param, remainder)
 
-    def join(self, param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
-        """The fp32 master ``param`` and ``remainder`` stand for (a new tensor)."""
+    def join(self, param: torch.Tensor, remainder: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The fp32 master ``param`` and ``remainder`` stand for, written into ``out`` (or a new tensor)."""
         if not self.compiled:
-            return bf16_rounding.join(param, remainder)
-        return shared(join_values, _GRAPHS)(param, remainder)
-
-
-EAGER = RoundingKernels(compiled=False)
-"""The eager ops (what every caller gets unless ``Config.compiled_update`` is set)."""
+            return bf16_rounding.join(param, remainder, out)
+        if out is None:
+            return shared(join_values, _GRAPHS)(param, remainder)
+        shared(join_into, _GRAPHS)(param, remainder, out)
+        return out

@@ -66,9 +66,11 @@ class _RunState:
     """One count per fragment of the run."""
     spans: list[slice]
     """Where each fragment of the run lies in it."""
+    scratch: Optional[torch.Tensor] = None
+    """With a remainder: where the step rebuilds the run's fp32 master (a view of one tensor every run shares)."""
 
     def master(self, kernels: RoundingKernels) -> torch.Tensor:
-        return self.param if self.remainder is None else kernels.join(self.param, self.remainder)
+        return self.param if self.remainder is None else kernels.join(self.param, self.remainder, self.scratch)
 
     def keep_master(self, master: torch.Tensor, kernels: RoundingKernels) -> None:
         if self.remainder is not None:
@@ -88,6 +90,13 @@ class ShardAdamW(torch.optim.Optimizer):
         """The Inductor-generated run update (``Config.compiled_update``), for narrow moments only
         (:mod:`~fxzero.optim.update.fused_run` says why)."""
         self._runs = [self._run_state(run, remainders) for run in plan_runs(places)]
+        rebuilt = [rs for rs in self._runs if rs.remainder is not None]
+        self._scratch = torch.empty(max((rs.param.numel() for rs in rebuilt), default=0), dtype=torch.float32,
+                                    device=rebuilt[0].param.device if rebuilt else None)  # fmt: skip
+        """Where the step rebuilds a run's fp32 master, one run at a time: the longest run's size (at most
+        :data:`~fxzero.optim.update.flat_update.MAX_RUN_NUMEL` elements), so the step allocates nothing."""
+        for rs in rebuilt:
+            rs.scratch = self._scratch[: rs.param.numel()]
         self.remainders = any(rs.remainder is not None for rs in self._runs)
         """Whether some masters are kept as remainders (:class:`~fxzero.optim.state.fragment_store.FragmentStore`)."""
         self._where = {id(self.fragments[i].param): (r, k) for r, rs in enumerate(self._runs) for k, i in enumerate(rs.run.fragments)}
@@ -207,8 +216,8 @@ class ShardAdamW(torch.optim.Optimizer):
 
     @property
     def nbytes(self) -> int:
-        """Bytes kept between steps: moments, remainders (step counts are Python ints)."""
-        total = 0
+        """Bytes kept between steps: moments, remainders and the masters' scratch (step counts are Python ints)."""
+        total = self._scratch.nbytes
         for rs in self._runs:
             total += rs.exp_avg.nbytes + rs.exp_avg_sq.nbytes + (rs.remainder.nbytes if rs.remainder is not None else 0)
         return total
