@@ -72,11 +72,10 @@ from .optim.params.param_waits import install_param_waits
 from .optim.params.param_watch import ParamWatch
 from .optim.state.state_check import StateProbe
 from .optim.state.sharded_state import ShardedState
-from .optim.state.state_dict import hyperparameters
-from .optim.update.bucketed_update import ByBucket, updates_param_by_param
+from .optim.update.bucketed_update import ByBucket
 from .optim.update.flat_update import FlatUpdate, place_of
 from .optim.update.publish import Publish
-from .optim.update.shard_adam import ADAM_CLASSES, UNSUPPORTED_FLAGS, ShardAdamW
+from .optim.update.update_plan import build_update, by_bucket, plan_update
 from .optim.state.fragment_store import TorchOptimStore
 
 __all__ = ["Runtime", "build_runtime"]
@@ -215,76 +214,32 @@ def build_runtime(
     reductions = GradReductions(buckets, dp, ledger, reduction_for(buckets, dp, described), described=described,
                                 landing=param_sync if reuse else None,  # gather bytes sit in the grad buffer: land a bucket first
                                 divide_factor=config.gradient_divide_factor)  # fmt: skip
-    own_update = _check_precision(config, optimizer_class, manager.param_groups, table)
+    plan = plan_update(optimizer_class, manager.param_groups, [p.dtype for p in table.params], table.label,
+                       state_dtypes=config.moment_dtypes, remainders=config.param_remainders, compiled=config.compiled_update,
+                       rounding=config.param_rounding, stepwise=config.overlap_param_gather_with_optimizer_step and dp.size > 1,
+                       option=_precision_option(config))  # fmt: skip
     shards, fragments = build_shards(buffers, table, dp.rank, separate_mains=config.mxfp8_param_gather, remainders=config.param_remainders)
-    if own_update:
-        local: torch.optim.Optimizer = _shard_adam(config, optimizer_class, manager.param_groups, table, fragments)
-    else:
-        local = _local_optimizer(optimizer_class, kwargs, manager.param_groups, table, fragments)
-    update = FlatUpdate(local, fragments, [table.rows[f.slot].group for f in fragments],
-                        [table.bucket_of_slot[f.slot] for f in fragments], kwargs, bucket_count=len(buckets))  # fmt: skip
+    group_of, bucket_of = [table.rows[f.slot].group for f in fragments], [table.bucket_of_slot[f.slot] for f in fragments]
+    local, update = build_update(plan, optimizer_class, kwargs, manager.param_groups, fragments, group_of, bucket_of,
+                                 lambda: [place_of(f, g, b) for f, g, b in zip(fragments, group_of, bucket_of)], bucket_count=len(buckets))  # fmt: skip
     publish = Publish(param_sync, [shard.main for shard in sorted(shards, key=lambda shard: shard.bucket.index)])
-    stepwise = config.overlap_param_gather_with_optimizer_step and dp.size > 1
     reduced = ReducedGrads(ledger, reductions, shards, fragments, dp, mesh_params.norms(len(table.params), table.params[0].device), param_sync)
     param_watch = ParamWatch(table, shards, gather, dp.rank, ledger.compiled, overlapped=param_sync if overlap else None)
     grad_views = GradViews(table, reduced, param_watch, reset=_weakly(manager.zero_grad))
     grad_sync = GradSync(table.params, ledger, reductions, views=grad_views, local_grads=mesh_params.dtensor_slots)
     state = ShardedState(dp=dp, table=table, param_groups=manager.param_groups, buffers=buffers, shards=shards, fragments=fragments,
                          local=local, mesh_params=mesh_params, timeout=config.state_dict_timeout, republish=publish,
-                         store=local if own_update else TorchOptimStore(local, fragments), probe=StateProbe(optimizer_class, dict(kwargs)))  # fmt: skip
+                         store=local if plan.own else TorchOptimStore(local, fragments), probe=StateProbe(optimizer_class, dict(kwargs)))  # fmt: skip
     runtime = Runtime(
         whole_params=whole_params, mesh_params=mesh_params, buffers=tuple(buffers), buckets=buckets, buffer_sync=buffer_sync, gather=gather,
         param_sync=param_sync, ledger=ledger, reductions=reductions, shards=tuple(shards), fragments=tuple(fragments), local=local,
         local_step=compat.unhooked_step(local), update=update, publish=publish,
-        by_bucket=_by_bucket(stepwise, optimizer_class, param_sync, publish), reduced=reduced, param_watch=param_watch,
+        by_bucket=by_bucket(plan, param_sync.order, publish), reduced=reduced, param_watch=param_watch,
         grad_views=grad_views, grad_sync=grad_sync, binding=GraphBinding(table, ledger, grad_sync, param_sync), sharded_state=state,
         reuse_grad_buffer=reuse,
     )
     _attach(manager, runtime, table, module)
     return runtime
-
-
-def _local_groups(groups: Sequence[dict[str, Any]], table: ParamTable, fragments: Sequence[FragmentTensor]) -> list[dict[str, Any]]:
-    """The optimizer's groups over this rank's fragments, hyperparameters copied."""
-    local_groups = [hyperparameters(group) | {"params": []} for group in groups]
-    for frag in fragments:
-        local_groups[table.rows[frag.slot].group]["params"].append(frag.param)
-    return local_groups
-
-
-def _local_optimizer(
-    optimizer_class: type[torch.optim.Optimizer], kwargs: dict[str, Any], groups: Sequence[dict[str, Any]],
-    table: ParamTable, fragments: Sequence[FragmentTensor],
-) -> torch.optim.Optimizer:  # fmt: skip
-    return optimizer_class(_local_groups(groups, table, fragments), **kwargs)
-
-
-def _own_update(config: Config) -> bool:
-    """Whether fxzero's own Adam update steps (:mod:`fxzero.optim.update.shard_adam`)."""
-    return config.moment_dtypes != ("fp32", "fp32") or config.param_remainders
-
-
-def _check_precision(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable) -> bool:
-    """Refuse precision options this optimizer or these params cannot have, naming them; returns :func:`_own_update`."""
-    own = _own_update(config)
-    option = _precision_option(config)
-    if own and optimizer_class not in ADAM_CLASSES:
-        raise ValueError(
-            f"fxzero: {option} steps with fxzero's own Adam update, which only torch.optim.Adam and torch.optim.AdamW have; "
-            f"{optimizer_class.__name__} keeps its state as it defines it (leave {option.split('=')[0]} at its default, or use torch.optim.AdamW)"
-        )
-    for index, group in enumerate(groups if own else ()):
-        for flag in UNSUPPORTED_FLAGS:
-            if group.get(flag):
-                raise ValueError(f"fxzero: {option}: fxzero's own Adam update does not implement {flag}=True (param_groups[{index}])")
-    dtypes = {p.dtype for p in table.params}
-    if (config.param_remainders or config.param_rounding != "auto") and torch.bfloat16 not in dtypes:
-        flag = "param_remainders=True" if config.param_remainders else f"param_rounding={config.param_rounding!r}"
-        raise ValueError(f"fxzero: Config.{flag} applies to bf16 params, and every managed param is {sorted(map(str, dtypes))}")
-    if config.param_remainders and torch.float16 in dtypes:
-        slot = next(s for s, p in enumerate(table.params) if p.dtype == torch.float16)
-        raise ValueError(f"fxzero: Config.param_remainders=True keeps remainders of bf16 params; param {table.label(slot)!r} is float16")
-    return own
 
 
 def _precision_option(config: Config) -> str:
@@ -293,26 +248,6 @@ def _precision_option(config: Config) -> str:
         if getattr(config, name) not in (None, "fp32"):
             return f"Config.{name}={getattr(config, name)!r}"
     return "Config.param_remainders=True"
-
-
-def _shard_adam(config: Config, optimizer_class: type, groups: Sequence[dict[str, Any]], table: ParamTable,
-                fragments: Sequence[FragmentTensor]) -> ShardAdamW:  # fmt: skip
-    places = [place_of(frag, table.rows[frag.slot].group, table.bucket_of_slot[frag.slot]) for frag in fragments]
-    return ShardAdamW(_local_groups(groups, table, fragments), fragments, places, state_dtypes=config.moment_dtypes,
-                      remainders=config.param_remainders, decoupled=optimizer_class is torch.optim.AdamW,
-                      compiled=config.compiled_update)  # fmt: skip
-
-
-def _by_bucket(stepwise: bool, optimizer_class: type, param_sync: ParamSync, publish: Publish) -> Optional[ByBucket]:
-    """Whether the step updates one bucket at a time, launching each bucket's gather as soon as
-    its shard is done (:mod:`fxzero.optim.update.bucketed_update`): when there are gathers
-    (``stepwise``) and the wrapped class updates each param on its own."""
-    if not stepwise:
-        return None
-    if not updates_param_by_param(optimizer_class):
-        log.info("fxzero: %s may couple params in its step: every shard is updated before the gathers start", optimizer_class.__name__)
-        return None
-    return ByBucket(param_sync.order, publish)
 
 
 def _attach(manager: torch.optim.Optimizer, runtime: Runtime, table: ParamTable, module: Optional[torch.nn.Module]) -> None:

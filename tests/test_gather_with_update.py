@@ -191,7 +191,7 @@ def test_a_class_fxzero_does_not_know_updates_every_shard_before_the_gathers(cap
         pass
 
     model = build("mlp")
-    with caplog.at_level(logging.INFO, logger="fxzero.runtime"), _fake_world_2():
+    with caplog.at_level(logging.INFO, logger="fxzero.optim.update.update_plan"), _fake_world_2():
         fxzero.DistributedOptimizer(model.parameters(), Own, lr=LR, config=fxzero.Config(state_sharding="elementwise"))
     assert "Own may couple params in its step: every shard is updated before the gathers start" in caplog.text
 
