@@ -274,6 +274,11 @@ def _drift(checkpoints: tuple[int, ...], lrs: tuple[float, ...], labels: list[st
     return rows
 
 
+def _picked(labels: Any, only: str) -> list[str]:
+    """The labels ``--only`` names a part of (every label without it)."""
+    return [label for label in labels if not only or any(part in label for part in only.split(","))]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=11)
@@ -290,8 +295,7 @@ def main() -> None:
     headers = ["update", "step() ms", "achieved GB/s", "x its bound", "x torch fused"]
     if not args.skip_speed:
         started = time.perf_counter()
-        labels = [label for label in SPEED_MODES if not args.only or any(part in label for part in args.only.split(","))]
-        one = _speed_rank(args.rounds, labels)
+        one = _speed_rank(args.rounds, _picked(SPEED_MODES, args.only))
         print(f"World 1, {one['params'] / 1e6:.2f}M params, torch.add_ {one['bandwidth'] / 1e9:.1f} GB/s in the same rounds, "
               f"median of {args.rounds} paired rounds ({time.perf_counter() - started:.0f} s; compiled_update's Inductor compiles "
               f"{one['compile_s']:.0f} s, once, in round 0, {'cold' if one['compile_s'] > 20 else 'warm (Inductor cache)'}):\n")  # fmt: skip
@@ -299,15 +303,14 @@ def main() -> None:
         print(f"\nTargets at world 1 ({one['compiles']} Inductor graphs, {one['compile_s']:.0f} s):\n")
         print(tabulate(_target_rows(one, 1), headers=["target", "ms / ms", "ratio", "target", "met"], tablefmt="github"), flush=True)
     if not args.skip_speed and not args.skip_world_2:
-        labels = [label for label in SPEED_MODES if not args.only or any(part in label for part in args.only.split(","))]
-        two = run_ranks(2, _speed_rank, args.rounds, labels, timeout=3600)[0]
+        two = run_ranks(2, _speed_rank, args.rounds, _picked(SPEED_MODES, args.only), timeout=3600)[0]
         close_pools()
         print(f"\nWorld 2 (gloo; step() includes the reduce-scatter and all-gather; rank 0's times), torch.add_ "
               f"{two['bandwidth'] / 1e9:.1f} GB/s; bound bytes are the rank's half:\n")  # fmt: skip
         print(tabulate(_speed_rows(two, 2), headers=headers, tablefmt="github"), flush=True)
     if not args.skip_drift:
         checkpoints = tuple(int(s) for s in args.steps.split(","))
-        labels = [label for label in DRIFT_RUNS if not args.only or any(part in label for part in args.only.split(","))]
+        labels = _picked(DRIFT_RUNS, args.only)
         rows = _drift(checkpoints, (1e-3, 3e-4), labels)
         print("\nDrift against torch.optim.AdamW with fp32 state (loss (its difference), param distance / the fp32 run's update):\n")
         print(tabulate(rows, headers=["model", "lr", "step", "fp32 loss", *labels], tablefmt="github"))

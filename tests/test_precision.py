@@ -392,11 +392,14 @@ def _family_run(name: str, options: dict[str, Any], accumulate: int = 1) -> list
 @pytest.mark.parametrize("name", ["conv", "adapters", "expert_loop", "mlp_frozen", "hf_gpt2"])
 def test_model_families_keep_remainders_bitwise_and_train_with_narrow_state(name: str) -> None:
     """A conv net, adapters and experts picked in Python, a partly frozen MLP, and Hugging Face's GPT-2 with
-    its default dropout (tied embeddings), with gradient accumulation under ``no_sync``."""
+    its default dropout (tied embeddings), with gradient accumulation under ``no_sync``; with and without
+    ``compiled_update`` (its remainders bitwise too, its packed bf16 moments within the same bound)."""
     half_away = _family_run(name, {"param_rounding": "half_away"}, accumulate=2)
     assert all(torch.equal(a, b) for a, b in zip(half_away, _family_run(name, {"param_remainders": True}, accumulate=2)))
-    for dtype in ("bf16", "fp8"):
-        narrow = _family_run(name, {"optimizer_state_dtype": dtype, "param_remainders": True}, accumulate=2)
+    compiled = _family_run(name, {"param_remainders": True, "compiled_update": True}, accumulate=2)
+    assert all(torch.equal(a, b) for a, b in zip(half_away, compiled))
+    for dtype, options in (("bf16", {}), ("fp8", {}), ("bf16", {"compiled_update": True})):
+        narrow = _family_run(name, {"optimizer_state_dtype": dtype, "param_remainders": True, **options}, accumulate=2)
         assert all(bool(p.isfinite().all()) for p in narrow)
         assert max(float((a - b).abs().max()) for a, b in zip(narrow, half_away)) < 1.5 * 3 * LR, (name, dtype)
 

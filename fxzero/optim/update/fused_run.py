@@ -116,6 +116,8 @@ class FusedRunUpdate:
     def __init__(self) -> None:
         self._compiled = shared(_adam_run, _KINDS_LIMIT)
         self._scalars: Optional[torch.Tensor] = None
+        self._key: Any = None
+        """What :attr:`_scalars` was made from: the hyperparameters, the step count and the device."""
 
     @property
     def compiles(self) -> int:
@@ -130,9 +132,10 @@ class FusedRunUpdate:
     def __call__(self, param: torch.Tensor, remainder: Optional[torch.Tensor], grad: torch.Tensor, exp_avg: MomentStore,
                  exp_avg_sq: MomentStore, step: int, hyper: tuple) -> None:  # fmt: skip
         lr, beta1, beta2, eps, weight_decay, maximize, decoupled = hyper
-        values = (lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), 1 / (1 - beta2**step) ** 0.5)
-        if self._scalars is None or self._scalars.device != param.device:
-            self._scalars = torch.empty(len(values), dtype=torch.float32, device=param.device)
-        self._scalars.copy_(torch.tensor(values, dtype=torch.float32))
+        key = (hyper, step, param.device)  # everything the scalars are made of: the runs of a step share them
+        if key != self._key or self._scalars is None:
+            values = (lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), 1 / (1 - beta2**step) ** 0.5)
+            self._scalars = torch.tensor(values, dtype=torch.float32, device=param.device)
+            self._key = key
         flags = (bool(decoupled), bool(maximize), weight_decay != 0)
         self._compiled(param, remainder, grad, _parts(exp_avg), _parts(exp_avg_sq), self._scalars, (_kind(exp_avg), _kind(exp_avg_sq)), flags)
