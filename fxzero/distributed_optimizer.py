@@ -274,8 +274,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self.runtime.grad_sync.no_sync()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the flat grad buffers (``main_grad``); a no-op after ``step()``, which
-        consumed them. Managed params' ``.grad`` becomes ``None`` either way (between
+        """Zero the gradients in the flat grad buffers (``main_grad``: marked stale, so the
+        next backward overwrites them, :mod:`fxzero.optim.gradients.stale_grads`); a no-op
+        after ``step()``, which consumed them. Managed params' ``.grad`` becomes ``None`` either way (between
         backward and step it is a view of the sharded gradient, never a tensor of its own).
         With ``set_to_none=False`` every param holds a zero gradient until the next
         ``step()``, as in torch.optim: a step with no backward, or params a backward does

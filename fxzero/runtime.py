@@ -60,6 +60,7 @@ from .optim.gradients.ledger import Ledger
 from .optim.gradients.module_no_sync import install_no_sync
 from .optim.gradients.reduced_grads import ReducedGrads
 from .optim.gradients.reduction import reduction_for
+from .optim.gradients.stale_grads import StaleGrads
 from .optim.layout.buffers import Bucket, ParamAndGradBuffer
 from .optim.layout.mesh import MeshParams, local_of
 from .optim.layout.param_table import ParamTable
@@ -123,6 +124,8 @@ class Runtime:
     """The state API the optimizer delegates to (``state_dict`` and friends, what checkpoints use)."""
     reuse_grad_buffer: bool
     """Whether MXFP8 gathers land in the grad buffer (a bucket is landed before its grads are touched)."""
+    stale: Optional[StaleGrads] = None
+    """The consumed gradients left in the grad buffers (``None`` with :attr:`reuse_grad_buffer`: zeroed instead)."""
     teardown: list[weakref.finalize] = dataclasses.field(default_factory=list)
 
     def update_and_gather(self, absent: Sequence[int]) -> None:
@@ -144,9 +147,11 @@ class Runtime:
             self.param_sync.end()
 
     def end_step(self) -> None:
-        """The step's last phase, and all of ``opt.zero_grad()`` but the ``.grad`` views: zero
-        what backward wrote into the grad buffers, forget this step's measures and start the
-        ledger's next step (one per ``step()``, one per ``zero_grad()``). Idempotent."""
+        """The step's last phase, and all of ``opt.zero_grad()`` but the ``.grad`` views: mark
+        what backward wrote into the grad buffers stale (the next gradient overwrites it,
+        :mod:`~fxzero.optim.gradients.stale_grads`; zeroed where MXFP8 gathers reuse the
+        buffer), forget this step's measures and start the ledger's next step (one per
+        ``step()``, one per ``zero_grad()``). Idempotent."""
         self.reductions.finish_launched()
         if self.ledger.written:
             if self.reuse_grad_buffer:
@@ -154,6 +159,8 @@ class Runtime:
                 for bucket in self.buckets:
                     if not self.param_sync.is_pending(bucket.index):
                         bucket.grad_data.zero_()
+            elif self.stale is not None:  # overwritten by the next gradient, or zeroed before a read (:mod:`.stale_grads`)
+                self.stale.consumed(self.reduced.present_counts)
             else:
                 for buffer in self.buffers:
                     buffer.grad_data.zero_()
@@ -211,9 +218,10 @@ def build_runtime(
         gather = PlainGather(buckets, dp, config.resolved_param_rounding, compiled=config.compiled_update)
     param_sync = ParamSync(buckets, dp, overlap=overlap, gather=gather, described=described)
     ledger = Ledger(table, len(buckets))
+    stale = None if reuse else StaleGrads([p.main_grad for p in table.params], table.bucket_of_slot, buckets)
     reductions = GradReductions(buckets, dp, ledger, reduction_for(buckets, dp, described), described=described,
                                 landing=param_sync if reuse else None,  # gather bytes sit in the grad buffer: land a bucket first
-                                divide_factor=config.gradient_divide_factor)  # fmt: skip
+                                divide_factor=config.gradient_divide_factor, stale=stale)  # fmt: skip
     plan = plan_update(optimizer_class, manager.param_groups, [p.dtype for p in table.params], table.label,
                        state_dtypes=config.moment_dtypes, remainders=config.param_remainders, compiled=config.compiled_update,
                        rounding=config.param_rounding, stepwise=config.overlap_param_gather_with_optimizer_step and dp.size > 1,
@@ -236,7 +244,7 @@ def build_runtime(
         local_step=compat.unhooked_step(local), update=update, publish=publish,
         by_bucket=by_bucket(plan, param_sync.order, publish), reduced=reduced, param_watch=param_watch,
         grad_views=grad_views, grad_sync=grad_sync, binding=GraphBinding(table, ledger, grad_sync, param_sync), sharded_state=state,
-        reuse_grad_buffer=reuse,
+        reuse_grad_buffer=reuse, stale=stale,
     )
     _attach(manager, runtime, table, module)
     return runtime

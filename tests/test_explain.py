@@ -46,10 +46,17 @@ def _found(opt: fxzero.DistributedOptimizer) -> dict[str, Any]:
     return {
         "params": [p.detach().clone() for p in opt.param_table.params],
         "grads": [p.grad for p in opt.param_table.params],
-        "main_grads": [p.main_grad.clone() for p in opt.param_table.params],
+        "main_grads": [_effective_grad(opt, slot) for slot in range(len(opt.param_table.params))],
         "state": opt.state_dict(),
         "ledger": opt.runtime.ledger.snapshot(),
     }
+
+
+def _effective_grad(opt: fxzero.DistributedOptimizer, slot: int) -> torch.Tensor:
+    """What ``main_grad`` counts as: zeros where it holds a gradient the last step consumed
+    (overwritten by the next one, zeroed before any read: :mod:`fxzero.optim.gradients.stale_grads`)."""
+    main_grad, stale = opt.param_table.params[slot].main_grad, opt.runtime.stale
+    return torch.zeros_like(main_grad) if stale is not None and stale.stale(slot) else main_grad.clone()
 
 
 def _assert_as_found(opt: fxzero.DistributedOptimizer, found: dict[str, Any]) -> None:

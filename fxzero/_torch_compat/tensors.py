@@ -11,6 +11,7 @@ import torch
 
 __all__ = [
     "foreach_add_",
+    "foreach_copy_",
     "foreach_mul_",
     "foreach_norm",
     "gradient_ops",
@@ -62,6 +63,7 @@ def gradient_ops() -> dict[str, Callable[..., Any]]:
 # torch.optim's own fast path: one kernel launch for a list of tensors instead of one each.
 # If they move: a Python loop over the tensors (same numbers, more launches).
 foreach_add_: Callable[..., Any] = torch._foreach_add_
+foreach_copy_: Callable[..., Any] = torch._foreach_copy_
 foreach_mul_: Callable[..., Any] = torch._foreach_mul_
 foreach_norm: Callable[..., Any] = torch._foreach_norm
 

@@ -20,6 +20,7 @@ from ..layout.buffers import Bucket
 from ..params.param_sync import ParamSync
 from .ledger import Ledger
 from .reduction import Reduction
+from .stale_grads import StaleGrads
 
 __all__ = ["GradReductions"]
 
@@ -40,12 +41,15 @@ class GradReductions:
         described: Sequence[str] = (),
         landing: Optional[ParamSync] = None,
         divide_factor: Optional[int] = None,
+        stale: Optional[StaleGrads] = None,
     ) -> None:
         """``landing``: the gathers to land a bucket of before its grad memory is reduced (MXFP8
         gathers that reuse the grad buffer), ``None`` where gathers never touch it."""
         self.buckets, self.dp, self.ledger, self.reduction = tuple(buckets), dp, ledger, reduction
         self._described = tuple(described) or ("",) * len(self.buckets)
         self.landing = landing
+        self.stale = stale
+        """Zeroes a bucket's regions left from the last step before its reduction reads them (:mod:`.stale_grads`)."""
         self._own_shards = [b.grad_shards[dp.rank] for b in self.buckets]
         # a preallocated 0-dim factor: a Python float would be wrapped into a tensor every step
         device = self.buckets[0].grad_data.device if self.buckets else None
@@ -59,6 +63,8 @@ class GradReductions:
         for index in indices:
             if self.landing is not None:
                 self.landing.wait(index)
+            if self.stale is not None:
+                self.stale.zero_left(index)
             self.reduction.launch(index)
             log.debug("launched reduce-scatter of bucket %d", index)
 

@@ -37,6 +37,7 @@ from ..._torch_compat import foreach_add_, in_backward, queue_end_of_backward
 from .grad_reductions import GradReductions
 from .grad_views import GradViews
 from .ledger import Ledger
+from .stale_grads import StaleGrads
 from ..layout.mesh import MeshParams
 
 __all__ = ["GradSync"]
@@ -62,6 +63,8 @@ class GradSync:
         self._landing = reductions.landing
         self._views = views
         """The optimizer's ``p.grad`` views: installed after each backward, and the judge of a late gradient."""
+        self._stale: Optional[StaleGrads] = reductions.stale
+        """Writes the gradients (overwriting the last step's, :mod:`.stale_grads`); ``None``: they add into ``main_grad``."""
         self._callback_queued = False
         self._hooks: list[torch.utils.hooks.RemovableHandle] = []
 
@@ -94,7 +97,10 @@ class GradSync:
                 self._late(bucket, slot)
             if self._landing is not None:
                 self._landing.wait(bucket)
-            param.main_grad.add_(grad if local is None else local(param, grad))
+            if self._stale is None:
+                param.main_grad.add_(grad if local is None else local(param, grad))
+            else:  # the first gradient of a step overwrites the last step's (:mod:`.stale_grads`)
+                self._stale.write(slot, grad if local is None else local(param, grad))
             param.grad = None
             self._launch(self.ledger.eager_grad(slot))
 
@@ -115,7 +121,10 @@ class GradSync:
             self._late(bucket, int(slots[0]))
         if self._landing is not None:
             self._landing.wait(bucket)
-        foreach_add_(main_grads, grads)
+        if self._stale is None:
+            foreach_add_(main_grads, grads)
+        else:
+            self._stale.write_group(bucket, main_grads, grads, slots, span)
         self._launch(self.ledger.compiled_grads(bucket, len(main_grads), slots, span))
 
     def _late(self, bucket: int, slot: int) -> None:

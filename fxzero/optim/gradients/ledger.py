@@ -258,12 +258,13 @@ class Ledger:
         self._presence[:] = self._ones
 
     def zeroed(self) -> None:
-        """The grad buffers were zeroed."""
+        """The grad buffers hold no gradient of the coming step: zeroed, or left stale
+        (:mod:`~fxzero.optim.gradients.stale_grads`)."""
         self._written = False
 
     def grad_assigned(self) -> None:
         """A gradient assigned by hand (``p.grad = t``) was written into the buffers: they
-        need zeroing after the step, as after a backward."""
+        are consumed by the step, as after a backward."""
         self._written = True
 
     @contextlib.contextmanager

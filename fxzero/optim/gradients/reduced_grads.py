@@ -159,6 +159,12 @@ class ReducedGrads:
             raise written_in_flight(found, int(values[2 * n]))
         self._got, self._squares = values[:n], values[n : 2 * n]  # got: a count of ranks, 0.0 for none
 
+    @property
+    def present_counts(self) -> Optional[Sequence[float]]:
+        """How many ranks gave each param a gradient this step (by hand too), once measured;
+        ``None`` before: what the step leaves in the grad buffers (:mod:`.stale_grads`)."""
+        return self._got if self._squares else None
+
     def _count_hand(self) -> None:
         for slot, square in self._hand.items():
             self._got[slot], self._squares[slot] = max(self._got[slot], 1.0), square
@@ -263,7 +269,7 @@ class ReducedGrads:
                 frag.grad.view(-1).copy_(flat[frag.where.param_offset : frag.where.param_offset + frag.where.numel])
             self._scale[slot] = 1.0
             self._hand[slot] = float(torch.linalg.vector_norm(flat, dtype=torch.float32)) ** 2
-        self.ledger.grad_assigned()  # the grad buffers need zeroing after the step
+        self.ledger.grad_assigned()  # the grad buffers hold a gradient the step consumes
         if self._squares:  # measured already (a clip or GradScaler before the assignment)
             self._count_hand()
 
