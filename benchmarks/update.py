@@ -50,15 +50,20 @@ SPEED_MODES: dict[str, tuple[str, torch.dtype, dict[str, Any], float]] = {
     "torch AdamW fused=True + grad norm": ("torch+", torch.float32, {"fused": True}, 4 + 3 * 8),
     "fxzero fp32 state, fp32 params": ("fxzero", torch.float32, {}, 4 + 3 * 8),
     "fxzero fp32 state, fp32 params, fused=True": ("fxzero", torch.float32, {"fused": True}, 4 + 3 * 8),
+    "fxzero fp32 state, fp32 params, fused=True, buffers zeroed": ("fxzero", torch.float32, {"fused": True, "zeroed_buffers": True}, 4 + 3 * 8),
     "fxzero fp32 state, bf16 params + fp32 masters": ("fxzero", torch.bfloat16, {}, 4 + 3 * 8 + 2),
     "fxzero fp32 state, bf16 params + fp32 masters, fused=True": ("fxzero", torch.bfloat16, {"fused": True}, 4 + 3 * 8 + 2),
     "fxzero bf16 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16"}, 4 + 8 + 2 * 4),
     "fxzero fp8 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8"}, 4 + 8 + 2 * (_FP8_M + _FP8_V)),
     "fxzero bf16 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16", "compiled_update": True}, 4 + 8 + 2 * 4),
+    "fxzero bf16 state, compiled_update, buffers zeroed": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16", "compiled_update": True,
+                                                                                    "zeroed_buffers": True}, 4 + 8 + 2 * 4),
     "fxzero fp8 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8", "compiled_update": True},
                                           4 + 8 + 2 * (_FP8_M + _FP8_V)),
     "fxzero remainders": ("fxzero", torch.bfloat16, {"param_remainders": True}, 4 + 4 + 4 + 16),
     "fxzero remainders, compiled_update": ("fxzero", torch.bfloat16, {"param_remainders": True, "compiled_update": True}, 4 + 4 + 4 + 16),
+    "fxzero remainders, fused=True, compiled_update": ("fxzero", torch.bfloat16, {"param_remainders": True, "fused": True, "compiled_update": True},
+                                                       4 + 4 + 4 + 16),
     "fxzero stochastic rounding": ("fxzero", torch.bfloat16, {"param_rounding": "stochastic"}, 4 + 3 * 8 + 2),
     "fxzero stochastic rounding, compiled_update": ("fxzero", torch.bfloat16, {"param_rounding": "stochastic", "compiled_update": True},
                                                     4 + 3 * 8 + 2),
@@ -102,12 +107,23 @@ def _optimizer(who: str, model: torch.nn.Module, options: dict[str, Any], lr: fl
         return _SameWork(model, lr=lr, **options)
     if who == "fxzero":
         config = {k: v for k, v in options.items() if k in _FXZERO_OPTIONS}
-        flags = {k: v for k, v in options.items() if k not in _FXZERO_OPTIONS}
-        return fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, module=model,
-                                           config=fxzero.Config(bucket_size=None, **config), **flags)  # fmt: skip
+        flags = {k: v for k, v in options.items() if k not in _FXZERO_OPTIONS and k != "zeroed_buffers"}
+        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, module=model,
+                                          config=fxzero.Config(bucket_size=None, **config), **flags)  # fmt: skip
+        if options.get("zeroed_buffers"):
+            _zero_buffers_in_step(opt)
+        return opt
     import torchao.optim
 
     return getattr(torchao.optim, who)(model.parameters(), lr=lr)
+
+
+def _zero_buffers_in_step(opt: fxzero.DistributedOptimizer) -> None:
+    """What ``step()`` did before stale gradients (``fxzero/optim/gradients/stale_grads.py``): zero the
+    flat grad buffers at its end, so the next backward adds onto zeros. Nothing is then ever stale.
+    The same-run measure of what leaving them stale saves."""
+    buckets = opt.runtime.buckets
+    opt.runtime.stale.consumed = lambda present: [b.grad_data.zero_() for b in buckets]
 
 
 def _add_bandwidth() -> float:
@@ -171,6 +187,8 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("fp8 state vs fxzero fp32 fused", "fxzero fp8 state, compiled_update", "fxzero fp32 state, fp32 params, fused=True", 1.0),
     ("fp8 state vs its bound", "fxzero fp8 state, compiled_update", "bound", 1.5),
     ("remainders vs fp32-master fused", "fxzero remainders, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters, fused=True", 1.3),
+    ("remainders vs fp32-master, both fused=True", "fxzero remainders, fused=True, compiled_update",
+     "fxzero fp32 state, bf16 params + fp32 masters, fused=True", 1.3),
     ("remainders vs fp32-master (same flags)", "fxzero remainders, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters", 1.3),
     ("stochastic vs nearest (same flags)", "fxzero stochastic rounding, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters", 1.2),
     ("stochastic vs nearest, fused=True", "fxzero stochastic rounding, fused=True, compiled_update",

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any
+from typing import Any, Optional
+from unittest import mock
 
 import pytest
 import torch
@@ -26,6 +27,7 @@ import torch.distributed as dist
 import fxzero
 from fxzero.optim.params.bf16_rounding import join, round_into, split
 from fxzero.optim.state.state_dict import MASTER_KEY
+from fxzero.optim.update import torch_fused
 from fxzero.optim.update.moment_store import BlockStore, RootStore
 from fxzero.testing import run_ranks
 
@@ -40,16 +42,17 @@ MODES: dict[str, dict[str, Any]] = {
     "remainders, bf16 state": {"param_remainders": True, "optimizer_state_dtype": "bf16"},
     "stochastic rounding": {"param_rounding": "stochastic"},
     "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
+    "remainders, fused": {"param_remainders": True, "flags": {"fused": True}},  # "flags": the optimizer's, not the Config's
 }
 
 
 def _train(name: str, options: dict[str, Any], *, dtype: torch.dtype = torch.bfloat16, steps: int = STEPS, cls: type = torch.optim.AdamW,
-           forward: Any = None, model: Any = None) -> dict[str, Any]:  # fmt: skip
+           forward: Any = None, model: Any = None, flags: Optional[dict[str, Any]] = None) -> dict[str, Any]:  # fmt: skip
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     model = model if model is not None else build(name).to(dtype)
     forward = model if forward is None else forward
     config = fxzero.Config(bucket_size=2000, **options)
-    opt = fxzero.DistributedOptimizer(param_groups(model), cls, lr=LR, config=config, module=model)
+    opt = fxzero.DistributedOptimizer(param_groups(model), cls, lr=LR, config=config, module=model, **(flags or {}))
     torch.manual_seed(rank)  # dropout draws its own masks per rank, alike in every run
     local, losses = GLOBAL // world, []
     for step in range(steps):
@@ -185,6 +188,20 @@ def test_remainders_train_bitwise_like_fp32_masters_rounded_half_away(cls: type)
     assert remainders["opt"].state_bytes <= masters["opt"].state_bytes - 2 * numel + 4 * largest_bucket
 
 
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
+def test_remainders_with_fused_train_bitwise_like_fused_fp32_masters_rounded_half_away(cls: type) -> None:
+    """``fused=True`` with remainders: torch's fused kernel over each fragment of the rebuilt masters
+    (``fxzero.optim.update.torch_fused``), as the fp32-master run steps each fragment's master."""
+    masters = _train("mlp_branch", {"param_rounding": "half_away"}, cls=cls, steps=6, flags={"fused": True})
+    with mock.patch.object(torch_fused, "functional_adam", wraps=torch_fused.functional_adam) as kernel:
+        remainders = _train("mlp_branch", {"param_remainders": True}, cls=cls, steps=6, flags={"fused": True})
+    assert kernel.call_count >= 6 and all(call.kwargs["fused"] for call in kernel.call_args_list)
+    assert _same(masters, remainders)
+    with pytest.raises(ValueError, match=r"optimizer_state_dtype='bf16'.*does not implement fused=True"):  # no fused kernel for bf16 moments
+        fxzero.DistributedOptimizer(build("mlp").to(torch.bfloat16).parameters(), cls, fused=True,
+                                    config=fxzero.Config(param_remainders=True, optimizer_state_dtype="bf16"))  # fmt: skip
+
+
 def test_narrow_state_stays_near_fp32_and_keeps_fewer_bytes() -> None:
     runs = {label: _train("gpt", MODES[label], dtype=torch.float32) for label in ("fp32", "bf16 state", "fp8 state")}
     moments = {label: run["opt"].state_bytes for label, run in runs.items()}  # fp32 params: no separate masters
@@ -216,7 +233,8 @@ def test_other_classes_and_unsupported_flags_are_refused_naming_the_option() -> 
         fxzero.Config(optimizer_state_dtype="int8")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("label", ["bf16 state", "fp8 state", "remainders", "stochastic rounding", "bf16 state, compiled update"])
+@pytest.mark.parametrize("label", ["bf16 state", "fp8 state", "remainders", "stochastic rounding", "bf16 state, compiled update",
+                                   "remainders, fused"])  # fmt: skip
 def test_every_mode_resumes_bitwise_from_a_checkpoint(label: str, tmp_path: Any) -> None:
     """A 4-step run saves after step 2 (``fxzero.save_checkpoint`` and ``opt.state_dict()``); a fresh
     model and optimizer load either, take the run's generator state (dropout), and end bitwise alike."""
@@ -241,8 +259,10 @@ def test_every_mode_resumes_bitwise_from_a_checkpoint(label: str, tmp_path: Any)
 
 
 def _mode_optimizer(model: torch.nn.Module, label: str) -> fxzero.DistributedOptimizer:
-    config = fxzero.Config(bucket_size=2000, **MODES[label])
-    return fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model, config=config)
+    options = dict(MODES[label])
+    flags = options.pop("flags", {})
+    config = fxzero.Config(bucket_size=2000, **options)
+    return fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model, config=config, **flags)
 
 
 def _steps(model: torch.nn.Module, opt: Any, steps: Any) -> None:
@@ -288,6 +308,8 @@ COMPILED = {  # label -> options; the same compiled graphs serve every run (runs
     "mxfp8 gather": {"mxfp8_param_gather": True},
     "remainders, compiled update": {"param_remainders": True, "compiled_update": True},
     "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
+    "half_away, fused": {"param_rounding": "half_away", "flags": {"fused": True}},
+    "remainders, fused": {"param_remainders": True, "flags": {"fused": True}},
 }
 
 
@@ -300,12 +322,17 @@ def _modes(inner: Any) -> dict[str, Any]:
 
     model = build("gpt").to(torch.bfloat16)
     forward = model if inner is None else torch.compile(model, backend="fxzero", options={"inner_compiler": inner}, dynamic=False)
-    runs = runs_from_initial_state(model, list(COMPILED), lambda label: _summary(_train("gpt", COMPILED[label], forward=forward, model=model)))
+    def run(label: str) -> dict[str, Any]:
+        options = dict(COMPILED[label])
+        return _summary(_train("gpt", options, forward=forward, model=model, flags=options.pop("flags", None)))
+
+    runs = runs_from_initial_state(model, list(COMPILED), run)
     return dict(zip(COMPILED, runs))
 
 
 def _check_modes(runs: dict[str, Any]) -> None:
     assert _same(runs["remainders"], runs["half_away"]) and _same(runs["remainders, compiled update"], runs["half_away"])
+    assert _same(runs["remainders, fused"], runs["half_away, fused"])
     for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5), ("bf16 state, compiled update", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
         assert _drift(runs[label], runs["fp32"]) < bound * STEPS, (label, _drift(runs[label], runs["fp32"]))
     # MXFP8 params: the comparison's resolution is one E4M3 code of the largest weight (3 mantissa bits:

@@ -6,7 +6,8 @@ Eagerly each is a chain of up to nine torch ops, a pass over memory each: stocha
 cost 2.5x a whole fp32 AdamW step (``benchmarks/update.py``). Integer arithmetic has one
 answer, so Inductor's single loop gives the eager chain's bits exactly (checked element for
 element in ``tests/test_rounding_kernels.py``, hash included); with ``Config.compiled_update``
-the step uses these.
+the step uses these, but for half-away rounding alone: two eager ops and a narrowing copy beat
+Inductor's loop there (measured in :meth:`RoundingKernels.round_into`).
 
 **How the loops stay vectorized.** Inductor's CPU code generator vectorizes int32 and float
 arithmetic but falls back to a scalar loop for a bit cast from float and for int16 stores. So
@@ -28,7 +29,7 @@ from ...inductor_function import shared
 from . import bf16_rounding
 from .bf16_rounding import Rounding
 
-__all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "split_bits"]
+__all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "split_bits", "split_in_place"]
 
 _HALF = 0x8000
 _HIGH = -65536  # 0xFFFF0000 as an int32
@@ -45,6 +46,14 @@ def split_bits(bits: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor)
     high = torch.add(bits, _HALF).bitwise_and_(_HIGH)
     param.copy_(high.view(torch.float32))
     remainder.copy_((bits - high).to(torch.int16))
+
+
+def split_in_place(bits: torch.Tensor, param: torch.Tensor) -> None:
+    """``split`` whose remainders stay in ``bits`` (the masters' int32 view, overwritten) as int32 values:
+    every load and store of the loop is 32-bit or the bf16 param, so all of it is vectorized."""
+    high = torch.add(bits, _HALF).bitwise_and_(_HIGH)
+    param.copy_(high.view(torch.float32))
+    bits.sub_(high)
 
 
 def join_values(param: torch.Tensor, remainder: torch.Tensor) -> torch.Tensor:
@@ -70,7 +79,10 @@ class RoundingKernels:
 
     def round_into(self, master: torch.Tensor, out: torch.Tensor, rounding: Rounding) -> None:
         """Write fp32 ``master`` into the bf16 tensor ``out`` with ``rounding``."""
-        if not self.compiled or rounding == "nearest_even":  # nearest even is one copy_ already
+        if not self.compiled or rounding != "stochastic":
+            # nearest even is one copy_ already; half away is two eager ops and a narrowing copy_,
+            # faster than Inductor's loop on this CPU (5.24M elements, one thread: 3.2 ms against
+            # 4.6 ms; benchmarks/results/update-2026-11-28.md, part 4), with the same bits
             bf16_rounding.round_into(master, out, rounding)
             return
         shared(round_bits, _GRAPHS)(master.view(torch.int32), out, rounding == "stochastic")
@@ -81,6 +93,18 @@ class RoundingKernels:
             bf16_rounding.split(master, param, remainder)
             return
         shared(split_bits, _GRAPHS)(master.view(torch.int32), param, remainder)
+
+    def split_consuming(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
+        """:meth:`split`, with ``master``'s memory as scratch: its values are lost (the step's rebuilt
+        master, no longer read). Compiled, the remainders go through ``master`` as int32 and are then
+        narrowed by ``copy_``: the loop's int16 store is scalar, and the two passes together take
+        half its time (5.24M elements, one thread: 2.9 ms against 6.1 ms, the same bits)."""
+        if not self.compiled:
+            bf16_rounding.split(master, param, remainder)
+            return
+        bits = master.view(torch.int32)
+        shared(split_in_place, _GRAPHS)(bits, param)
+        remainder.copy_(bits)
 
     def join(self, param: torch.Tensor, remainder: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fp32 master ``param`` and ``remainder`` stand for, written into ``out`` (or a new tensor)."""

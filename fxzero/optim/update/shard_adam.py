@@ -42,6 +42,7 @@ from .flat_update import Place, Run, plan_runs
 from ..params.rounding_kernels import RoundingKernels
 from .fused_run import FusedRunUpdate
 from .moment_store import MomentStore, make_stores
+from .torch_fused import TorchFusedRun
 
 __all__ = ["ADAM_CLASSES", "ShardAdamW", "UNSUPPORTED_FLAGS"]
 
@@ -49,7 +50,8 @@ ADAM_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 """The classes (exactly: a subclass may change the update) fxzero's own update stands in for."""
 
 UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable", "fused")
-"""Adam options fxzero's own update does not implement: refused, naming the flag."""
+"""Adam options fxzero's own update does not implement: refused, naming the flag (``fused`` is
+implemented with remainders and fp32 moments: :mod:`.torch_fused`)."""
 _GRAD = operator.attrgetter("grad")
 
 
@@ -68,13 +70,16 @@ class _RunState:
     """Where each fragment of the run lies in it."""
     scratch: Optional[torch.Tensor] = None
     """With a remainder: where the step rebuilds the run's fp32 master (a view of one tensor every run shares)."""
+    torch_fused: Optional[TorchFusedRun] = None
+    """With fp32 moments: the run's fragments under torch's fused kernel, for a group with ``fused=True``."""
 
     def master(self, kernels: RoundingKernels) -> torch.Tensor:
         return self.param if self.remainder is None else kernels.join(self.param, self.remainder, self.scratch)
 
     def keep_master(self, master: torch.Tensor, kernels: RoundingKernels) -> None:
+        """Split the updated ``master`` (the run's scratch: not read again) into param and remainder."""
         if self.remainder is not None:
-            kernels.split(master, self.param, self.remainder)
+            kernels.split_consuming(master, self.param, self.remainder)
 
 
 class ShardAdamW(torch.optim.Optimizer):
@@ -97,6 +102,10 @@ class ShardAdamW(torch.optim.Optimizer):
         :data:`~fxzero.optim.update.flat_update.MAX_RUN_NUMEL` elements), so the step allocates nothing."""
         for rs in rebuilt:
             rs.scratch = self._scratch[: rs.param.numel()]
+        if state_dtypes == ("fp32", "fp32"):  # torch's fused kernel takes fp32 moments only
+            for rs in self._runs:
+                master = rs.param if rs.scratch is None else rs.scratch
+                rs.torch_fused = TorchFusedRun(master, rs.grad, rs.exp_avg.load(), rs.exp_avg_sq.load(), rs.spans)
         self.remainders = any(rs.remainder is not None for rs in self._runs)
         """Whether some masters are kept as remainders (:class:`~fxzero.optim.state.fragment_store.FragmentStore`)."""
         self._where = {id(self.fragments[i].param): (r, k) for r, rs in enumerate(self._runs) for k, i in enumerate(rs.run.fragments)}
@@ -126,10 +135,11 @@ class ShardAdamW(torch.optim.Optimizer):
             params = group["params"]
             if not params:
                 continue
-            hyper = _hyper(group, self.decoupled)
+            hyper = _hyper(group, self.decoupled, allowed=("fused",) if self._runs and self._runs[0].torch_fused else ())
             whole = None not in list(map(_GRAD, params))
+            step_run = self._step_run_fused if group.get("fused") else self._step_run
             for r in self._runs_of(params):
-                self._step_run(self._runs[r], hyper, whole)
+                step_run(self._runs[r], hyper, whole)
         return loss
 
     def _runs_of(self, params: list[torch.Tensor]) -> list[int]:
@@ -152,17 +162,26 @@ class ShardAdamW(torch.optim.Optimizer):
             rs.steps = [steps[0] + 1] * len(steps)
             return
         master, m, v = rs.master(self.kernels), rs.exp_avg.load(), rs.exp_avg_sq.load()
+        reuse = rs.grad.dtype == torch.float32  # the consumed gradient holds the denominator (see _adam)
         if whole and steps.count(steps[0]) == len(steps):
-            _adam(master, rs.grad, m, v, steps[0] + 1, hyper)
+            _adam(master, rs.grad, m, v, steps[0] + 1, hyper, reuse)
             rs.steps = [steps[0] + 1] * len(steps)
         else:
             for k, index in enumerate(rs.run.fragments):
                 if self.fragments[index].param.grad is not None:
                     steps[k] += 1
                     at = rs.spans[k]
-                    _adam(master[at], rs.grad[at], m[at], v[at], steps[k], hyper)
+                    _adam(master[at], rs.grad[at], m[at], v[at], steps[k], hyper, reuse)
         rs.exp_avg.save(m)
         rs.exp_avg_sq.save(v)
+        rs.keep_master(master, self.kernels)
+
+    def _step_run_fused(self, rs: _RunState, hyper: tuple, whole: bool) -> None:
+        """Update run ``rs`` with torch's fused kernel, fragment by fragment (:mod:`.torch_fused`)."""
+        assert rs.torch_fused is not None
+        present = range(len(rs.steps)) if whole else [k for k, i in enumerate(rs.run.fragments) if self.fragments[i].param.grad is not None]
+        master = rs.master(self.kernels)
+        rs.torch_fused.step(rs.steps, present, hyper)
         rs.keep_master(master, self.kernels)
 
     # ---- the state, per fragment -------------------------------------------------------
@@ -289,9 +308,9 @@ class _FragmentStates(Mapping[torch.Tensor, dict[str, Any]]):
         return any(rs.steps.count(0) < len(rs.steps) for rs in self._optimizer._runs)
 
 
-def _hyper(group: dict[str, Any], decoupled: bool) -> tuple:
+def _hyper(group: dict[str, Any], decoupled: bool, allowed: tuple[str, ...] = ()) -> tuple:
     for flag in UNSUPPORTED_FLAGS:
-        if group.get(flag):
+        if group.get(flag) and flag not in allowed:
             raise ValueError(f"fxzero's own Adam update (Config.optimizer_state_dtype / param_remainders) does not implement {flag}=True")
     lr = group["lr"]
     beta1, beta2 = group["betas"]
@@ -299,8 +318,16 @@ def _hyper(group: dict[str, Any], decoupled: bool) -> tuple:
     return (float(lr), float(beta1), float(beta2), group["eps"], group["weight_decay"], group.get("maximize", False), decoupled)
 
 
-def _adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, hyper: tuple) -> None:
-    """One Adam(W) update in place, op for op ``torch.optim.adam._single_tensor_adam`` (no amsgrad)."""
+def _adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, hyper: tuple,
+          reuse_grad: bool = False) -> None:  # fmt: skip
+    """One Adam(W) update in place, op for op ``torch.optim.adam._single_tensor_adam`` (no amsgrad).
+
+    ``reuse_grad`` (an fp32 ``grad``): the denominator is computed into ``grad`` once the moments
+    have read it, by the same kernels (``sqrt(out=)``, ``div_``, ``add_``: the same bits). The step
+    consumes the gradients (the next backward overwrites them, :mod:`~fxzero.optim.gradients.stale_grads`),
+    and a new tensor per run and step cost more than the arithmetic: page faults of fresh memory
+    (``sqrt`` and ``div`` took 13.4 ms of a 5.24M-param remainders step on one core, 3.6 ms into
+    kept memory, ``benchmarks/results/update-2026-11-28.md`` part 4)."""
     lr, beta1, beta2, eps, weight_decay, maximize, decoupled = hyper
     if maximize:
         grad = -grad
@@ -315,5 +342,8 @@ def _adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_av
     bias_correction2 = 1 - beta2**step
     step_size = lr / bias_correction1
     bias_correction2_sqrt = bias_correction2**0.5
-    denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+    if reuse_grad:
+        denom = torch.sqrt(exp_avg_sq, out=grad).div_(bias_correction2_sqrt).add_(eps)  # grad: consumed, or a temporary of it
+    else:
+        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
     param.addcdiv_(exp_avg, denom, value=-step_size)

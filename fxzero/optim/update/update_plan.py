@@ -71,8 +71,8 @@ def plan_update(
         ValueError: a precision option this class, a group's flags or these params cannot have.
     """
     own = state_dtypes != ("fp32", "fp32") or remainders
-    if own:
-        _check_own_update(optimizer_class, groups, option)
+    if own:  # fused=True: torch's fused kernel over fp32 moments (remainders), :mod:`.torch_fused`
+        _check_own_update(optimizer_class, groups, option, allowed=("fused",) if state_dtypes == ("fp32", "fp32") else ())
     if (remainders or rounding != "auto") and torch.bfloat16 not in param_dtypes:
         flag = "param_remainders=True" if remainders else f"param_rounding={rounding!r}"
         raise ValueError(f"fxzero: Config.{flag} applies to bf16 params, and every managed param is {sorted(map(str, set(param_dtypes)))}")
@@ -85,7 +85,7 @@ def plan_update(
     return UpdatePlan(own, state_dtypes, remainders, compiled, optimizer_class is torch.optim.AdamW, by_bucket)
 
 
-def _check_own_update(optimizer_class: type, groups: Sequence[dict[str, Any]], option: str) -> None:
+def _check_own_update(optimizer_class: type, groups: Sequence[dict[str, Any]], option: str, allowed: tuple[str, ...] = ()) -> None:
     if optimizer_class not in ADAM_CLASSES:
         raise ValueError(
             f"fxzero: {option} steps with fxzero's own Adam update, which only torch.optim.Adam and torch.optim.AdamW have; "
@@ -93,7 +93,7 @@ def _check_own_update(optimizer_class: type, groups: Sequence[dict[str, Any]], o
         )
     for index, group in enumerate(groups):
         for flag in UNSUPPORTED_FLAGS:
-            if group.get(flag):
+            if group.get(flag) and flag not in allowed:
                 raise ValueError(f"fxzero: {option}: fxzero's own Adam update does not implement {flag}=True (param_groups[{index}])")
 
 
