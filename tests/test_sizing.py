@@ -48,6 +48,9 @@ def test_bytes_of_a_layout_without_padding_derived_by_hand() -> None:
     remainders = size_run(model, 4, config=fxzero.Config(param_remainders=True, optimizer_state_dtype="bf16"))
     longest_run = max(remainders.buckets) // 4  # a run lies in one bucket's shard (and MAX_RUN_NUMEL is larger here)
     assert (remainders.master_bytes, remainders.state_bytes) == (n // 4 * 2 + 4 * longest_run, n // 4 * 2 * 2 + 8)
+    # each moment in its own dtype: a bf16 first moment beside an fp32 second one
+    mixed = size_run(model, 4, config=fxzero.Config(exp_avg_dtype="bf16"))
+    assert mixed.state_bytes == n // 4 * (2 + 4) + 8
 
 
 @pytest.mark.parametrize(("dp", "tp"), [(64, 1), (8, 8)])

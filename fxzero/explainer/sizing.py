@@ -9,7 +9,8 @@ would allocate, for any data-parallel size, and adds what its step keeps per ran
   all params: ZeRO-1 shards only the optimizer);
 * **grad buffer**: the same elements in ``Config.grad_dtype`` (fp32 by default);
 * **optimizer state**: this rank's shard (``padded / shard ranks``) times the wrapped
-  optimizer's per-element states (AdamW: 2) in ``Config.optimizer_state_dtype``, and a 4-byte
+  optimizer's per-element states (AdamW: 2) in ``Config.optimizer_state_dtype`` (each Adam moment in its
+  own dtype where ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` set one; 8-bit blocks' scales not counted), and a 4-byte
   step count per param fragment the shard holds (torch's Adam keeps ``step`` as a tensor);
 * **fp32 masters**: of the shard, when params are not fp32 (int16 remainders with
   ``param_remainders``, and the fp32 scratch the step rebuilds one run's master in: at most one
@@ -214,7 +215,9 @@ def size_run(model: torch.nn.Module, dp: int, *, tp: int = 1, instances: int = 1
     param_bytes = sum(plan.numel * dtype.itemsize for dtype, plan in plans)
     grad_bytes = sum(plan.numel * grad_item(dtype) for dtype, plan in plans)
     shard = {dtype: plan.numel // shard_ranks for dtype, plan in plans}
-    state = sum(n * states_per_element * _STATE_BYTES[config.optimizer_state_dtype] for n in shard.values())
+    first, second = config.moment_dtypes  # each Adam moment in its own dtype (exp_avg_dtype / exp_avg_sq_dtype)
+    per_element = _STATE_BYTES[first] + _STATE_BYTES[second] if states_per_element == 2 else states_per_element * _STATE_BYTES[first]
+    state = sum(n * per_element for n in shard.values())
     state += step_bytes * sum(len(shard_fragments(plan, rank % shard_ranks)) for _, plan in plans)
     masters = sum(n * (2 if config.param_remainders else 4) for dtype, n in shard.items() if dtype != torch.float32)
     if config.param_remainders and any(dtype == torch.bfloat16 for dtype in shard):  # the step's fp32 scratch: one run at most
