@@ -174,6 +174,8 @@ class Runtime:
 
     def collectives_per_step(self, dp_size: int) -> dict[str, int]:
         counts = collections.Counter({"allreduce": 1} if dp_size > 1 else {})
+        if self.reductions.dp.replica_count > 1:  # the gradient flags' all-reduce over the instances
+            counts["allreduce"] += 1
         if self.reduced.mesh_norms is not None:  # the norms' all-reduce over each other mesh dim
             counts.update(self.reduced.mesh_norms.collectives_per_step())
         for part in (self.reductions, self.param_sync, self.buffer_sync):

@@ -108,7 +108,7 @@ def test_two_instances_of_two_train_like_flat_world_4_and_one_process(inner: Opt
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         assert all(torch.equal(a, b) for a, b in zip(hier[rank]["params"], hier[(rank + 2) % 4]["params"]))
     assert 1.9 < hier[0]["state"] / flat[0]["state"] < 2.1, (hier[0]["state"], flat[0]["state"])
-    buckets = hier[0]["collectives"]["allreduce"] - 1  # the norm's all-reduce is the other one
+    buckets = hier[0]["collectives"]["allreduce"] - 2  # the others: the norm's all-reduce and the gradient flags' over the instances
     assert buckets >= 1 and flat[0]["collectives"]["allreduce"] == 1, (hier[0]["collectives"], flat[0]["collectives"])
 
 
@@ -184,3 +184,40 @@ def _refused_with_dtensor() -> str:
 def test_dtensor_params_with_hierarchical_sharding_are_refused_naming_the_fix() -> None:
     message = run_ranks(4, _refused_with_dtensor, timeout=120)[0]
     assert "is a DTensor, and hierarchical sharding" in message and "process_group=<the params' 1-D DeviceMesh>" in message, message
+
+
+def _one_instance_only(zeroed: bool) -> list[torch.Tensor]:
+    """A head that gets gradients on instance 1's ranks only, then on none: every instance must step
+    it (presence is counted over the instances), and what the reduction left in each rank's shard
+    must not be counted again (``fxzero.optim.gradients.stale_grads``)."""
+    from test_stale_grads import CLIP as HEAD_CLIP, Heads
+
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Heads()
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=LR, weight_decay=0.1, module=model, process_group=_group("hier"),
+                                      config=fxzero.Config(bucket_size=100, clip_grad=HEAD_CLIP))  # fmt: skip
+    if zeroed:  # the buffers zeroed after every step: nothing is ever stale
+        buckets = opt.runtime.buckets
+        opt.runtime.stale.consumed = lambda present: [b.grad_data.zero_() for b in buckets]
+    seen = []
+    for step, uses in enumerate([("a", "b"), ("c",) if rank >= 2 else (), (), ("a",), ()]):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x, uses).square().mean().backward()
+        assert not opt.step().skipped
+        opt.zero_grad()
+        seen.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+    return seen
+
+
+def _both_ways() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return _one_instance_only(False), _one_instance_only(True)
+
+
+@pytest.mark.slow
+def test_a_param_with_gradients_in_one_instance_only_is_stepped_in_every_instance() -> None:
+    results = run_ranks(4, _both_ways, timeout=300)
+    for step in range(5):
+        stale, zeroed = [r[0][step] for r in results], [r[1][step] for r in results]
+        assert all(torch.equal(stale[0], s) for s in stale), step  # the instances' copies stay alike
+        assert all(torch.equal(s, z) for s, z in zip(stale, zeroed)), step

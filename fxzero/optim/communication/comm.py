@@ -166,6 +166,11 @@ class DataParallelGroup:
         if self.replica_count > 1:
             dist.broadcast(tensor, group=self.replicas, group_src=0)
 
+    def sum_over_instances(self, tensor: torch.Tensor, what: str) -> None:
+        """Sum ``tensor`` over the instances (in place), waiting for it; a no-op with one instance."""
+        if self.replica_count > 1:
+            self.wait(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.replicas, async_op=True), what)
+
     def sum_replicas_async(self, shards: Sequence[torch.Tensor]) -> list[dist.Work]:
         """Start summing this rank's reduced ``shards`` over the instances (in place)."""
         return [dist.all_reduce(s, op=dist.ReduceOp.SUM, group=self.replicas, async_op=True) for s in shards]

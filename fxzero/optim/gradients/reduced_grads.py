@@ -7,7 +7,9 @@ Everything needs this rank's shards holding the average over ranks, so
 :meth:`ReducedGrads.finish_grad_sync` waits for the step's reduce-scatters once, and the first
 read all-reduces, once per step, one small fp64 vector: a "got a gradient" count per
 param and each param's squared norm over this rank's fragments (padding excluded).
-Clipping by hand and then calling ``step()`` therefore communicates once.
+Clipping by hand and then calling ``step()`` therefore communicates once. Under hierarchical
+sharding the counts are summed over the instances too (a second, smaller all-reduce): a param
+that got gradients in one instance only is present, and stepped, in every instance.
 
 Scaling is recorded per param (a Python float each) and applied once, by
 :meth:`ReducedGrads.apply` in ``step()``: torch's clipping multiplies every gradient by
@@ -80,9 +82,11 @@ class ReducedGrads:
         for frag in fragments:
             self._of_slot[frag.slot].append(frag)
         self._stats = torch.zeros(2 * n + 1, dtype=torch.float64, device=device)
-        # made once: the step path neither slices nor allocates them
-        self._got_stats, self._square_stats, self._written_stat = self._stats[:n], self._stats[n : 2 * n], self._stats[2 * n :]
-        self._alone = _placer(measured, n) if dp.size == 1 and mesh_norms is None else None
+        # made once: the step path neither slices nor allocates them; presence and the written flag
+        # side by side, summed over the instances too (hierarchical sharding), the squares not
+        self._got_stats, self._written_stat, self._square_stats = self._stats[:n], self._stats[n : n + 1], self._stats[n + 1 :]
+        self._counts = self._stats[: n + 1]
+        self._alone = _placer(measured, n) if dp.size == 1 and dp.replica_count == 1 and mesh_norms is None else None
         """At world size 1 with no other mesh dim: puts the fragments' squares (in
         :class:`FragmentNorms`' order) in slot order; ``None`` where they are summed over ranks."""
         self._scale = [1.0] * n
@@ -152,12 +156,16 @@ class ReducedGrads:
         found = self._param_sync.take_written() if self._param_sync is not None else None
         self._written_stat.fill_(0.0 if found is None else 1.0)
         self.dp.all_reduce_sum(stats)
+        if self.dp.replica_count > 1:
+            # a param may get gradients in one instance only: every instance must count it present
+            # (and step it); the squares are of shards the instances already summed, not summed again
+            self.dp.sum_over_instances(self._counts, "all-reduce of the gradient flags over the instances")
         if self.mesh_norms is not None:
             self.mesh_norms.sum_once(squares)
         values = stats.tolist()
-        if values[2 * n]:
-            raise written_in_flight(found, int(values[2 * n]))
-        self._got, self._squares = values[:n], values[n : 2 * n]  # got: a count of ranks, 0.0 for none
+        if values[n]:
+            raise written_in_flight(found, int(values[n]))
+        self._got, self._squares = values[:n], values[n + 1 :]  # got: a count of ranks, 0.0 for none
 
     @property
     def present_counts(self) -> Optional[Sequence[float]]:
