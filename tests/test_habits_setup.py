@@ -69,12 +69,15 @@ def _expected(write: str, pretrained: dict) -> dict:
 
 @pytest.mark.parametrize("write", sorted(_WRITES))
 @pytest.mark.parametrize("when", ["before-first-step", "after-backward"])
-def test_bf16_params_written_after_build_survive_the_next_step(write: str, when: str) -> None:
+@pytest.mark.parametrize("rounding", [{}, {"param_rounding": "stochastic", "compiled_update": True}], ids=["nearest", "stochastic-compiled"])
+def test_bf16_params_written_after_build_survive_the_next_step(write: str, when: str, rounding: dict) -> None:
     """lr=0: the step must leave the params exactly as written (the stale fp32 masters
-    were written back: max diff 0.66)."""
+    were written back: max diff 0.66). Compiled stochastic rounding finds the writes in one
+    loop that rounds and compares (``Gather.still_holds``)."""
     model = _small().to(torch.bfloat16)
     pretrained = {n: v.clone() for n, v in _small(seed=1).to(torch.bfloat16).state_dict().items()}
-    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.0, weight_decay=0.0, module=model)
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.0, weight_decay=0.0, module=model,
+                                      config=fxzero.Config(**rounding))  # fmt: skip
     x = torch.randn(2, 8, dtype=torch.bfloat16)
     if when == "before-first-step":
         _WRITES[write](model, pretrained)

@@ -58,6 +58,22 @@ def test_compiled_rounding_split_and_join_give_the_eager_bits(n: int) -> None:
     assert torch.equal(joined.view(torch.int32), bf16_rounding.join(param, remainder).view(torch.int32))
 
 
+@pytest.mark.parametrize("n", [1, 17, 4099])
+def test_the_compiled_watch_check_finds_every_changed_param_even_the_other_neighbour(n: int) -> None:
+    """``holds_rounding`` answers whether a bf16 param is its master's stochastic rounding without
+    writing: any changed element is found, also a param set to the other of the two bf16 values the
+    master lies between (which a check of the neighbours alone would miss)."""
+    masters = _masters(n)
+    param = torch.empty(masters.shape, dtype=torch.bfloat16)
+    EAGER.round_into(masters, param, "stochastic")
+    assert COMPILED.holds_rounding(masters, param, "stochastic") is True
+    assert COMPILED.holds_rounding(masters, param, "half_away") is None and EAGER.holds_rounding(masters, param, "stochastic") is None
+    for at in {0, n // 2, n - 1}:
+        other = param.clone()
+        other.view(torch.int16)[at] ^= 1  # the last bit flipped: the other neighbour, or the code past it
+        assert COMPILED.holds_rounding(masters, other, "stochastic") is False, at
+
+
 def _run(name: str, options: dict[str, Any], steps: int = 4) -> list[torch.Tensor]:
     model = build(name).to(torch.bfloat16)
     opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=1e-2, module=model,

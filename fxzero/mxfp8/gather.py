@@ -159,6 +159,10 @@ class Mxfp8Gather(Gather):
         if views.grads is not None:
             views.grads.zero_()
 
+    def still_holds(self, index: int, main: torch.Tensor, current: torch.Tensor) -> Optional[bool]:
+        """No one-pass check of dequantized rows: the caller compares :meth:`own_values`' output."""
+        return None
+
     def own_values(self, index: int, main: torch.Tensor, out: torch.Tensor) -> None:
         """This rank's row dequantized into ``out``, as landing writes it (``main`` before
         the first publish)."""

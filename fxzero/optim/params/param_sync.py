@@ -86,6 +86,11 @@ class Gather(Protocol):
         holds after the last :meth:`publish` (``main`` itself before the first), as
         landed: what the shard still holds unless something wrote it since."""
 
+    def still_holds(self, index: int, main: torch.Tensor, current: torch.Tensor) -> Optional[bool]:
+        """Whether ``current`` (this rank's param shard of bucket ``index``) holds exactly what
+        :meth:`own_values` would write, told in one pass that writes nothing; ``None`` where
+        this gather has no such pass (the caller compares :meth:`own_values`' output)."""
+
 
 class PlainGather:
     """Gather each bucket's param shards into ``param_data`` in place."""
@@ -121,6 +126,11 @@ class PlainGather:
             out.copy_(main)
         else:  # publish's own rounding
             self.kernels.round_into(main, out, self._rounding[index])
+
+    def still_holds(self, index: int, main: torch.Tensor, current: torch.Tensor) -> Optional[bool]:
+        if main is current or current.dtype != torch.bfloat16:
+            return None
+        return self.kernels.holds_rounding(main, current, self._rounding[index])
 
     nbytes = 0
 

@@ -21,7 +21,9 @@ every ``step()``:
   that differ into its masters. Version counters would miss ``p.data`` writes (``.data``
   has a counter of its own), so the check compares values: one copy and one comparison
   of 1/dp of those buckets per step, the comparison on 8-byte words where the shard's
-  alignment allows (fewer, wider elements to compare than bf16 ones). fp32 params
+  alignment allows (fewer, wider elements to compare than bf16 ones); with stochastic
+  rounding under ``Config.compiled_update``, one compiled loop that rounds and compares,
+  writing nothing (:meth:`~fxzero.optim.params.param_sync.Gather.still_holds`). fp32 params
   without MXFP8 *are* their masters and need no check.
 """
 
@@ -122,9 +124,12 @@ class ParamWatch:
     def adopt_outside_writes(self) -> None:
         """Masters take every value of this rank's shards written outside the optimizer."""
         for shard, expected, (expected_words, current_words) in zip(self._separate, self._expected, self._words):
+            current = shard.bucket.param_shards[self.rank]
+            holds = self.gather.still_holds(shard.bucket.index, shard.main, current)
+            if holds:  # told in one pass that writes nothing
+                continue
             self.gather.own_values(shard.bucket.index, shard.main, expected)
-            if not torch.equal(expected_words, current_words):
-                current = shard.bucket.param_shards[self.rank]
+            if holds is not None or not torch.equal(expected_words, current_words):
                 changed = expected.ne(current)
                 shard.main[changed] = current[changed].to(shard.main.dtype)
                 log.info(

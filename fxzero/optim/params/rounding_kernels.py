@@ -29,7 +29,7 @@ from ...inductor_function import shared
 from . import bf16_rounding
 from .bf16_rounding import Rounding
 
-__all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "split_bits", "split_in_place"]
+__all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "rounding_differs", "split_bits", "split_in_place"]
 
 _HALF = 0x8000
 _HIGH = -65536  # 0xFFFF0000 as an int32
@@ -39,6 +39,13 @@ def round_bits(bits: torch.Tensor, out: torch.Tensor, stochastic: bool) -> None:
     """``round_into`` on the masters' bits (an int32 view), half away or stochastic, into bf16 ``out``."""
     add = bf16_rounding.hash16(bits) if stochastic else _HALF
     out.copy_(torch.add(bits, add).bitwise_and_(_HIGH).view(torch.float32))
+
+
+def rounding_differs(bits: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """Whether any bf16 ``param`` differs from the stochastic rounding of its master (``bits``, an int32
+    view), compared as bit patterns (the param's fp32 value is its bits shifted left by 16); nothing written."""
+    expected = torch.add(bits, bf16_rounding.hash16(bits)).bitwise_and_(_HIGH)
+    return torch.ne(expected, param.float().view(torch.int32)).any()
 
 
 def split_bits(bits: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -86,6 +93,14 @@ class RoundingKernels:
             bf16_rounding.round_into(master, out, rounding)
             return
         shared(round_bits, _GRAPHS)(master.view(torch.int32), out, rounding == "stochastic")
+
+    def holds_rounding(self, master: torch.Tensor, param: torch.Tensor, rounding: Rounding) -> Optional[bool]:
+        """Whether bf16 ``param`` is exactly ``master`` rounded with ``rounding``, in one compiled loop that
+        writes nothing (stochastic rounding, compiled: its hash is the costly part, and rounding into a
+        scratch, then comparing, reads and writes the scratch besides); ``None`` otherwise."""
+        if not self.compiled or rounding != "stochastic":
+            return None
+        return not bool(shared(rounding_differs, _GRAPHS)(master.view(torch.int32), param))
 
     def split(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
         """fp32 ``master`` -> bf16 ``param`` (half away) and int16 ``remainder``."""
