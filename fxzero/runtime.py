@@ -154,16 +154,12 @@ class Runtime:
         ``step()``, one per ``zero_grad()``). Idempotent."""
         self.reductions.finish_launched()
         if self.ledger.written:
-            if self.reuse_grad_buffer:
-                # a bucket whose gather is pending holds gather bytes: landing zeroes it
+            if self.stale is not None:  # overwritten by the next gradient, or zeroed before a read (:mod:`.stale_grads`)
+                self.stale.consumed(self.reduced.present_counts)
+            else:  # reuse_grad_buffer: a bucket whose gather is pending holds gather bytes; landing zeroes it
                 for bucket in self.buckets:
                     if not self.param_sync.is_pending(bucket.index):
                         bucket.grad_data.zero_()
-            elif self.stale is not None:  # overwritten by the next gradient, or zeroed before a read (:mod:`.stale_grads`)
-                self.stale.consumed(self.reduced.present_counts)
-            else:
-                for buffer in self.buffers:
-                    buffer.grad_data.zero_()
             self.ledger.zeroed()
         self.reduced.reset()
         self.ledger.start_step()

@@ -35,10 +35,9 @@ _HALF = 0x8000
 _HIGH = -65536  # 0xFFFF0000 as an int32
 
 
-def round_bits(bits: torch.Tensor, out: torch.Tensor, stochastic: bool) -> None:
-    """``round_into`` on the masters' bits (an int32 view), half away or stochastic, into bf16 ``out``."""
-    add = bf16_rounding.hash16(bits) if stochastic else _HALF
-    out.copy_(torch.add(bits, add).bitwise_and_(_HIGH).view(torch.float32))
+def round_bits(bits: torch.Tensor, out: torch.Tensor) -> None:
+    """Stochastic ``round_into`` on the masters' bits (an int32 view), into bf16 ``out``."""
+    out.copy_(torch.add(bits, bf16_rounding.hash16(bits)).bitwise_and_(_HIGH).view(torch.float32))
 
 
 def rounding_differs(bits: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -92,7 +91,7 @@ class RoundingKernels:
             # 4.6 ms; benchmarks/results/update-2026-11-28.md, part 4), with the same bits
             bf16_rounding.round_into(master, out, rounding)
             return
-        shared(round_bits, _GRAPHS)(master.view(torch.int32), out, rounding == "stochastic")
+        shared(round_bits, _GRAPHS)(master.view(torch.int32), out)
 
     def holds_rounding(self, master: torch.Tensor, param: torch.Tensor, rounding: Rounding) -> Optional[bool]:
         """Whether bf16 ``param`` is exactly ``master`` rounded with ``rounding``, in one compiled loop that
@@ -102,16 +101,9 @@ class RoundingKernels:
             return None
         return not bool(shared(rounding_differs, _GRAPHS)(master.view(torch.int32), param))
 
-    def split(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
-        """fp32 ``master`` -> bf16 ``param`` (half away) and int16 ``remainder``."""
-        if not self.compiled:
-            bf16_rounding.split(master, param, remainder)
-            return
-        shared(split_bits, _GRAPHS)(master.view(torch.int32), param, remainder)
-
     def split_consuming(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
-        """:meth:`split`, with ``master``'s memory as scratch: its values are lost (the step's rebuilt
-        master, no longer read). Compiled, the remainders go through ``master`` as int32 and are then
+        """fp32 ``master`` -> bf16 ``param`` (half away) and int16 ``remainder``, with ``master``'s memory
+        as scratch: its values are lost (the step's rebuilt master, no longer read). Compiled, the remainders go through ``master`` as int32 and are then
         narrowed by ``copy_``: the loop's int16 store is scalar, and the two passes together take
         half its time (5.24M elements, one thread: 2.9 ms against 6.1 ms, the same bits)."""
         if not self.compiled:

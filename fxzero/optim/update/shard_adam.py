@@ -102,7 +102,9 @@ class ShardAdamW(torch.optim.Optimizer):
         :data:`~fxzero.optim.update.flat_update.MAX_RUN_NUMEL` elements), so the step allocates nothing."""
         for rs in rebuilt:
             rs.scratch = self._scratch[: rs.param.numel()]
-        if state_dtypes == ("fp32", "fp32"):  # torch's fused kernel takes fp32 moments only
+        self._allowed = ("fused",) if state_dtypes == ("fp32", "fp32") else ()
+        """Flags of :data:`UNSUPPORTED_FLAGS` this update has after all: ``fused`` over fp32 moments (:mod:`.torch_fused`)."""
+        if self._allowed:  # torch's fused kernel takes fp32 moments only
             for rs in self._runs:
                 master = rs.param if rs.scratch is None else rs.scratch
                 rs.torch_fused = TorchFusedRun(master, rs.grad, rs.exp_avg.load(), rs.exp_avg_sq.load(), rs.spans)
@@ -135,7 +137,7 @@ class ShardAdamW(torch.optim.Optimizer):
             params = group["params"]
             if not params:
                 continue
-            hyper = _hyper(group, self.decoupled, allowed=("fused",) if self._runs and self._runs[0].torch_fused else ())
+            hyper = _hyper(group, self.decoupled, allowed=self._allowed)
             whole = None not in list(map(_GRAD, params))
             step_run = self._step_run_fused if group.get("fused") else self._step_run
             for r in self._runs_of(params):
