@@ -378,7 +378,7 @@ def _peer_fails_before_backward(how: str) -> None:
         raise fxzero.CollectiveError(f"{err} [raised after {time.monotonic() - start:.2f} s]") from err
 
 
-@pytest.mark.parametrize("how", ["killed", pytest.param("silent", marks=pytest.mark.slow)])  # silent: waits out a timeout
+@pytest.mark.parametrize("how", ["killed", pytest.param("silent", marks=pytest.mark.job)])  # silent: waits out a timeout
 def test_a_dead_or_silent_peer_makes_the_others_fail_naming_the_bucket(how: str) -> None:
     with RankPool(2, pg_timeout=PG_TIMEOUT) as pool:
         start = time.monotonic()
@@ -395,7 +395,7 @@ def test_a_dead_or_silent_peer_makes_the_others_fail_naming_the_bucket(how: str)
 
 
 # ---- the main job survives a lost rank ----------------------------------------------
-@pytest.mark.slow
+@pytest.mark.job
 def test_torchrun_restart_after_a_sigkill_ends_like_the_uninterrupted_run() -> None:
     """benchmarks/restart_drill.py: examples/train_gpt.py under torchrun --max-restarts=1, rank 1
     SIGKILLed at step 13, resumed from the step-8 checkpoint; every logged loss and every tensor of

@@ -125,7 +125,7 @@ def _save_on_rank_zero_only(ckpt_dir: str) -> dict[str, Any]:
     return {"error": None}
 
 
-@pytest.mark.slow  # its own pool, and waits out the arrival timeout
+@pytest.mark.job  # its own pool, and waits out the arrival timeout
 def test_a_save_on_one_rank_only_fails_within_seconds_saying_every_rank_must_call_it(tmp_path: Path) -> None:
     """Its own pool: a rank that never came may still be blocked elsewhere."""
     with RankPool(2) as pool:
@@ -196,7 +196,7 @@ def _late_rank_one(ckpt_dir: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.slow  # waits for the late rank
+@pytest.mark.job  # waits for the late rank
 def test_a_late_rank_is_waited_for_with_an_early_warning_naming_it(tmp_path: Path) -> None:
     """DDP and DCP wait for a late rank until the process group's timeout; so does the
     checkpoint handshake by default (saying early which rank it waits for)."""

@@ -49,7 +49,7 @@ def _start_pair(scenario: str, destroy: bool) -> list[subprocess.Popen]:
     return ranks
 
 
-@pytest.mark.slow
+@pytest.mark.job
 def test_exit_with_work_in_flight_or_after_a_caught_error_is_clean() -> None:
     started = time.monotonic()
     pairs = {case: _start_pair(*case) for case in CASES}

@@ -44,7 +44,7 @@ def test_a_failing_rank_shows_its_traceback() -> None:
     assert run_ranks(2, _ranks_and_sum)[1][2] == 3.0  # a fresh pool replaces the failed one
 
 
-@pytest.mark.slow  # waits out the timeout
+@pytest.mark.job  # waits out the timeout
 def test_a_hung_collective_fails_within_the_timeout() -> None:
     pool = RankPool(2)
     start = time.monotonic()

@@ -126,14 +126,14 @@ def _same(a: tuple[list[float], list[torch.Tensor]], b: tuple[list[float], list[
     return a[0] == b[0] and len(a[1]) == len(b[1]) and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
 
 
-@pytest.mark.slow
+@pytest.mark.job  # one torchrun job at world 2 for them all (about 40 s)
 @pytest.mark.timeout(480)
 def test_the_trainer_recipe_with_accumulation_trains_exactly_like_trainer_with_adamw_under_ddp(recipe: dict) -> None:
     fxzero_run, reference = recipe["trainer_fxzero"]["straight"], recipe["trainer_reference"]["straight"]
     assert len(fxzero_run[0]) == 4 and _same(fxzero_run, reference)
 
 
-@pytest.mark.slow
+@pytest.mark.job  # one torchrun job at world 2 for them all (about 40 s)
 @pytest.mark.timeout(480)
 def test_trainer_checkpoints_hold_the_whole_optimizer_state_and_resume_exactly(recipe: dict) -> None:
     """Trainer's optimizer.pt (saved by rank 0 alone) is the whole state in torch.optim's schema,
@@ -148,7 +148,7 @@ def test_trainer_checkpoints_hold_the_whole_optimizer_state_and_resume_exactly(r
     assert _same(fxzero_run["resumed"], fxzero_run["straight"]) and _same(fxzero_run["resumed"], reference["resumed"])
 
 
-@pytest.mark.slow
+@pytest.mark.job  # one torchrun job at world 2 for them all (about 40 s)
 @pytest.mark.timeout(480)
 def test_trainer_given_an_optimizer_built_before_it_moved_the_model_saves_and_resumes_exactly(recipe: dict) -> None:
     """``optimizers=(opt, None)``: Trainer's move copies the params and its resume loads the
@@ -157,7 +157,7 @@ def test_trainer_given_an_optimizer_built_before_it_moved_the_model_saves_and_re
     assert _same(recipe["trainer_object"], reference["straight"]) and _same(recipe["trainer_object_resumed"], reference["resumed"])
 
 
-@pytest.mark.slow
+@pytest.mark.job  # one torchrun job at world 2 for them all (about 40 s)
 @pytest.mark.timeout(480)
 def test_accelerate_accumulate_save_state_and_load_state_train_like_ddp(recipe: dict) -> None:
     """Two micro-batches a step (``accelerator.accumulate``), ``save_state`` after the first
@@ -166,7 +166,7 @@ def test_accelerate_accumulate_save_state_and_load_state_train_like_ddp(recipe: 
     assert len(recipe["accelerate_fxzero"][0]) == 4 and _same(recipe["accelerate_fxzero"], recipe["accelerate_reference"])
 
 
-@pytest.mark.slow
+@pytest.mark.job  # one torchrun job at world 2 for them all (about 40 s)
 @pytest.mark.timeout(480)
 def test_accelerate_wrapping_the_model_in_ddp_is_refused_naming_the_fix(recipe: dict) -> None:
     assert "model._is_accelerate_prepared = True" in recipe["accelerate_prepared_model"]

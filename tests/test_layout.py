@@ -101,11 +101,14 @@ def gpt3_175b_params() -> list[torch.Tensor]:
 def test_175b_layout_plans_in_milliseconds(dp: int, busbw: bool) -> None:
     params = gpt3_175b_params()
     total = sum(p.numel() for p in params)
-    start = time.perf_counter()
-    plan = plan_buckets(params, dp_size=dp, bucket_size=fxzero.default_bucket_size(dp), pad_for_high_busbw=busbw)
-    elapsed = time.perf_counter() - start
+    times = []
+    for _ in range(3):  # best of 3: a garbage-collector pass or a busy CI neighbour can stall any one call
+        start = time.perf_counter()
+        plan = plan_buckets(params, dp_size=dp, bucket_size=fxzero.default_bucket_size(dp), pad_for_high_busbw=busbw)
+        times.append(time.perf_counter() - start)
     assert 174e9 < total < 176e9
-    assert elapsed < 0.5, f"planning took {elapsed:.3f}s"
+    # about 2 ms here; per-element work on 175e9 elements would take minutes, so the bound has wide room
+    assert min(times) < 0.5, f"planning took {min(times):.3f}s at best of 3"
     divisor = fxzero.optim.bucket_divisor(dp, busbw)
     for bucket in plan.buckets:
         assert bucket.numel % divisor == 0

@@ -32,7 +32,7 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a["losses"] == b["losses"] and a["params"].keys() == b["params"].keys() and all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
 
 
-@pytest.mark.slow
+@pytest.mark.job  # Lightning's own launcher, ranks as subprocesses
 @pytest.mark.timeout(300)
 def test_fxzero_strategy_trains_bitwise_like_ddp_with_adamw_also_accumulating(runs: list[dict[str, Any]]) -> None:
     """2 epochs of 8 steps; then 1 epoch with accumulate_grad_batches=2 (Lightning runs the first
@@ -43,7 +43,7 @@ def test_fxzero_strategy_trains_bitwise_like_ddp_with_adamw_also_accumulating(ru
     assert runs[0]["fxzero"]["losses"] != runs[1]["fxzero"]["losses"]  # each rank its own batches and masks
 
 
-@pytest.mark.slow
+@pytest.mark.job  # Lightning's own launcher, ranks as subprocesses
 @pytest.mark.timeout(300)
 def test_model_checkpoint_saves_the_whole_optimizer_state_and_a_resumed_fit_is_bitwise(runs: list[dict[str, Any]]) -> None:
     """ModelCheckpoint after each epoch: the checkpoint holds torch.optim's state_dict schema with every
@@ -60,7 +60,7 @@ def test_model_checkpoint_saves_the_whole_optimizer_state_and_a_resumed_fit_is_b
         assert all(torch.equal(resumed["params"][n], full["params"][n]) for n in full["params"])
 
 
-@pytest.mark.slow
+@pytest.mark.job  # Lightning's own launcher, ranks as subprocesses
 @pytest.mark.timeout(300)
 def test_a_resumed_fit_restores_each_ranks_generators_so_dropout_is_bitwise(runs: list[dict[str, Any]]) -> None:
     """Each rank's generator seeded once, before the fit (no seed per step): ``fit(ckpt_path=<epoch 0>)``
@@ -74,7 +74,7 @@ def test_a_resumed_fit_restores_each_ranks_generators_so_dropout_is_bitwise(runs
     assert runs[0]["fxzero_unseeded"]["losses"] != runs[1]["fxzero_unseeded"]["losses"]
 
 
-@pytest.mark.slow
+@pytest.mark.job  # Lightning's own launcher, ranks as subprocesses
 @pytest.mark.timeout(300)
 def test_strategy_ddp_and_a_param_left_out_are_refused_naming_the_fix(runs: list[dict[str, Any]]) -> None:
     for result in runs:

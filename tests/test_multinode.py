@@ -28,7 +28,7 @@ def _final_checkpoint(job: Path, step: int) -> dict[str, Any]:
     return torch.load(job / "final.pt", weights_only=True)
 
 
-@pytest.mark.slow
+@pytest.mark.job
 def test_a_lost_node_fails_its_peers_fast_and_a_replacement_node_resumes_to_the_same_end(tmp_path: Path) -> None:
     """~35 s: two 2-node jobs at once, one optimizer instance per node (hierarchical sharding:
     the state sharded inside a node, one copy per node), eager (uncompiled) so the drill's
