@@ -96,7 +96,17 @@ class Config:
     clip_grad: Optional[float] = None
     """Clip gradients to this global L2 norm (over all ranks' shards, padding excluded,
     one all-reduce), with the same formula as ``torch.nn.utils.clip_grad_norm_``.
-    ``None`` disables clipping; the norm is still computed and reported by ``step()``."""
+    ``None`` disables clipping; the norm is still computed and reported by ``step()``
+    (unless ``measure_grad_norm=False``)."""
+
+    measure_grad_norm: bool = True
+    """Measure the global gradient norm in every ``step()``: ``StepResult.grad_norm``, and a
+    step whose norm is not finite is skipped (``reason="non_finite"``). It reads every
+    gradient once more (about 0.8 ms per 5M fp32 elements on one CPU core, a sixth of a fused
+    AdamW step). ``False`` skips that read and steps as ``torch.optim`` does: ``grad_norm`` is
+    ``None`` and a NaN or inf gradient is applied. ``clip_grad`` needs the norm, so the two are
+    refused together; ``clip_grad_norm_`` through ``p.grad`` or ``opt.clip_grad_norm_`` still
+    measure it when called, and ``GradScaler`` still skips a step with an inf."""
 
     grad_collective: Literal["auto", "reduce_scatter", "all_reduce", "all_to_all"] = "auto"
     """How gradients reach this rank's shard. ``"reduce_scatter"`` averages each bucket
@@ -266,7 +276,7 @@ class Config:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"Config.state_dict_timeout must be a finite number of seconds > 0, got {timeout!r}")
         flags = ("overlap_param_gather", "overlap_param_gather_with_optimizer_step", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
-                 "broadcast_buffers", "param_remainders", "compiled_update")
+                 "broadcast_buffers", "param_remainders", "compiled_update", "measure_grad_norm")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
@@ -296,6 +306,11 @@ class Config:
                 raise TypeError(f"Config.clip_grad must be a positive number or None, got {self.clip_grad!r}")
             if not (math.isfinite(self.clip_grad) and self.clip_grad > 0):
                 raise ValueError(f"Config.clip_grad must be a finite number > 0, got {self.clip_grad!r}")
+            if not self.measure_grad_norm:
+                raise ValueError(
+                    f"Config.clip_grad={self.clip_grad!r} clips by the global gradient norm, which "
+                    "measure_grad_norm=False skips: keep measure_grad_norm=True (the default) or set clip_grad=None"
+                )
 
     def resolved_bucket_size(self, dp_size: int, backend: str = "nccl") -> Optional[int]:
         """The bucket size in elements for a data-parallel group of ``dp_size`` ranks on ``backend``."""

@@ -213,24 +213,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
         dropped, hand = rt.grad_views.collect()
         rt.reduced.finish_grad_sync()  # 2. finish grad sync: every reduction of this step done
         rt.reduced.use_as_is(hand)
-        norm, absent = rt.reduced.measure(dropped)  # 3. measure: norms and presence, one all-reduce
+        if self.config.measure_grad_norm:  # 3. measure: norms and presence, one all-reduce
+            norm, absent = rt.reduced.measure(dropped)
+        else:
+            norm, absent = None, rt.reduced.absent(dropped)
         result = self._update(rt, norm, absent, dropped, loss)  # 4. update, publish, gather
         rt.end_step()  # 5. the gradients are consumed
         return result
 
-    def _update(self, rt: Runtime, norm: float, absent: list[int], dropped: list[int], loss: Any) -> StepResult:
+    def _update(self, rt: Runtime, norm: Optional[float], absent: list[int], dropped: list[int], loss: Any) -> StepResult:
         """Skip the step (no gradient anywhere, an inf found by ``GradScaler``, a non-finite
-        norm) or clip, unscale and update."""
+        norm) or clip, unscale and update. ``norm`` is ``None`` under
+        ``Config.measure_grad_norm=False`` (which refuses ``clip_grad``)."""
         grad_scale, found_inf = grad_scaler_state(self)
         if len(absent) == len(self.param_table.params):
             warn_no_gradients(dropped)
-            return StepResult(skipped=True, grad_norm=0.0, loss=loss, reason="no_gradients")
+            return StepResult(skipped=True, grad_norm=None if norm is None else 0.0, loss=loss, reason="no_gradients")
+        if norm is not None:
+            norm /= grad_scale
         if found_inf:
-            return StepResult(skipped=True, grad_norm=norm / grad_scale, loss=loss, reason="found_inf")
-        norm /= grad_scale
-        if not math.isfinite(norm):
+            return StepResult(skipped=True, grad_norm=norm, loss=loss, reason="found_inf")
+        if norm is not None and not math.isfinite(norm):
             return StepResult(skipped=True, grad_norm=norm, loss=loss, reason="non_finite")
-        rt.reduced.apply(self._clip_coefficient(norm) / grad_scale)
+        rt.reduced.apply((1.0 if norm is None else self._clip_coefficient(norm)) / grad_scale)
         self._sync_hyperparameters(rt.local)
         rt.update_and_gather(absent)
         return StepResult(skipped=False, grad_norm=norm, loss=loss)

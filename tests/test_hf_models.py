@@ -100,6 +100,7 @@ def _train_reference(name: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.models
 @pytest.mark.parametrize("name", ["gpt2", "llama", "bert"])
 def test_hugging_face_model_matches_single_process_reference(name: str) -> None:
     reference = _train_reference(name)

@@ -20,6 +20,7 @@ TARGETS = Path(__file__).resolve().parent / "hf_targets.py"
 
 
 @pytest.mark.slow
+@pytest.mark.models
 @pytest.mark.parametrize("name", ["gpt2", "bert", "t5"])
 def test_explain_reads_the_model_output_and_flags_no_overlap(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     data = tmp_path / "explain.json"
@@ -35,6 +36,7 @@ def test_explain_reads_the_model_output_and_flags_no_overlap(name: str, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.models
 @pytest.mark.parametrize(("name", "inner"), [("gpt2", "inductor"), ("bert", "eager"), ("t5", "eager")])
 def test_parity_passes_on_dropout_models(name: str, inner: str, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["parity", f"{TARGETS}:{name}", "--world-size", "2", "--inner-compiler", inner, "--steps", "2"])
@@ -45,6 +47,7 @@ def test_parity_passes_on_dropout_models(name: str, inner: str, capsys: pytest.C
 
 
 @pytest.mark.slow
+@pytest.mark.models
 def test_parity_names_the_param_of_a_broken_gpt2(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["parity", f"{TARGETS}:broken_gpt2", "--world-size", "2", "--inner-compiler", "eager", "--steps", "2"])
     out = capsys.readouterr().out

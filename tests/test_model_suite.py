@@ -66,6 +66,7 @@ def suite():
 
 
 @pytest.mark.slow
+@pytest.mark.models
 @pytest.mark.parametrize("name", HERE)
 def test_family_representative_trains_like_ddp_compile(suite: model_suite.Suite, name: str) -> None:
     row = model_suite.run_model(name, suite.run, timeout=300)

@@ -30,7 +30,7 @@ def _line_of(text: str) -> int:
     return README[: README.index(text)].count("\n") + 1
 
 
-TEST_COMMAND_MARK = "Set up and run the whole test suite but the `job` tier (`.ci/run` runs this first):\n\n```bash\n"
+TEST_COMMAND_MARK = "Set up and run the whole test suite but the `job` and `models` tiers (`.ci/run` runs this first):\n\n```bash\n"
 
 
 def test_ci_runs_the_readme_test_command() -> None:

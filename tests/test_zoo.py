@@ -151,6 +151,7 @@ def _diffs(a: dict[str, Any], b: dict[str, Any]) -> tuple[float, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.models
 @pytest.mark.parametrize(
     ("name", "world"), [(name, WORLD) for name in _CASES], ids=lambda v: str(v)
 )

@@ -121,18 +121,19 @@ class ReducedGrads:
                 shard.main_grad.copy_(shard.bucket.grad_shards[self.dp.rank])
         self._finished = True
 
-    def _measure(self) -> None:
-        """Per-param presence and squared norms, summed over ranks: one all-reduce."""
-        if self._squares:
+    def _measure(self, norms: bool = True) -> None:
+        """Per-param presence and squared norms, summed over ranks: one all-reduce. Presence
+        alone (``norms=False``) reads no gradient."""
+        if self._squares or (self._got and not norms):
             return
         self.finish_grad_sync()
         if self._alone is not None:
-            self._measure_alone(self._alone)
+            self._measure_alone(self._alone, norms)
         else:
-            self._measure_together()
+            self._measure_together(norms)
         self._count_hand()
 
-    def _measure_alone(self, place: Callable[[Sequence[float]], Sequence[float]]) -> None:
+    def _measure_alone(self, place: Callable[[Sequence[float]], Sequence[float]], norms: bool) -> None:
         """Nothing to sum over (world size 1, no other mesh dim) and one fragment per param:
         Python floats straight from the norms. A product of two fp32 values is exact in
         fp64, so each square has the bits the tensor path's fp64 ``square()`` gives, in one
@@ -140,14 +141,15 @@ class ReducedGrads:
         found = self._param_sync.take_written() if self._param_sync is not None else None
         if found is not None:
             raise written_in_flight(found, 1)
-        norms = self.fragment_norms.compute().tolist()
         self._got = list(map(float, self.ledger.presence))  # got: a count of ranks, 0.0 for none
-        self._squares = list(place(list(map(operator.mul, norms, norms))))
+        if norms:
+            values = self.fragment_norms.compute().tolist()
+            self._squares = list(place(list(map(operator.mul, values, values))))
 
-    def _measure_together(self) -> None:
+    def _measure_together(self, norms: bool) -> None:
         n, stats, squares = self.num_params, self._stats, self._square_stats
         self._got_stats.copy_(self.ledger.presence_tensor)
-        if self._grads:
+        if self._grads and norms:
             # per-fragment norms in fp32 (as clip_grad_norm_ does; fp64 elements cost 16x), squared
             # and summed per param in fp64
             squares.zero_().index_add_(0, self._measured_slots, self.fragment_norms.compute().double().square())
@@ -165,17 +167,21 @@ class ReducedGrads:
         values = stats.tolist()
         if values[n]:
             raise written_in_flight(found, int(values[n]))
-        self._got, self._squares = values[:n], values[n + 1 :]  # got: a count of ranks, 0.0 for none
+        self._got = values[:n]  # got: a count of ranks, 0.0 for none
+        if norms:
+            self._squares = values[n + 1 :]
 
     @property
     def present_counts(self) -> Optional[Sequence[float]]:
         """How many ranks gave each param a gradient this step (by hand too), once measured;
         ``None`` before: what the step leaves in the grad buffers (:mod:`.stale_grads`)."""
-        return self._got if self._squares else None
+        return self._got or None
 
     def _count_hand(self) -> None:
         for slot, square in self._hand.items():
-            self._got[slot], self._squares[slot] = max(self._got[slot], 1.0), square
+            self._got[slot] = max(self._got[slot], 1.0)
+            if self._squares:
+                self._squares[slot] = square
 
     # ---- reads -------------------------------------------------------------------
     def norms(self, slots: Sequence[int], ord: float = 2.0) -> list[float]:
@@ -227,8 +233,9 @@ class ReducedGrads:
         return self.total_norm(dropped), self.absent(dropped)
 
     def absent(self, dropped: Iterable[int] = ()) -> list[int]:
-        """Params that got no gradient on any rank, plus ``dropped``."""
-        self._measure()
+        """Params that got no gradient on any rank, plus ``dropped``: the flags alone, one
+        all-reduce, no gradient read (``Config.measure_grad_norm=False`` measures only them)."""
+        self._measure(norms=False)
         if not dropped and 0.0 not in self._got:  # the common case, one C-level scan
             return []
         skip = set(dropped)

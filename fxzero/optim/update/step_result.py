@@ -19,13 +19,15 @@ class StepResult:
 
     skipped: bool
     """True when no update was applied (``reason`` says why)."""
-    grad_norm: float
+    grad_norm: Optional[float]
     """Global L2 norm of the averaged gradients as ``step()`` found them (after any
-    ``clip_grad_norm_`` or unscaling by hand, before ``Config.clip_grad``)."""
+    ``clip_grad_norm_`` or unscaling by hand, before ``Config.clip_grad``); ``None`` under
+    ``Config.measure_grad_norm=False``, which does not measure it."""
     loss: Any = None
     """The closure's return value, if a closure was given."""
     reason: Optional[Literal["non_finite", "found_inf", "no_gradients"]] = None
-    """Why the update was skipped: the global norm was not finite; ``GradScaler`` found
+    """Why the update was skipped: the global norm was not finite (never under
+    ``Config.measure_grad_norm=False``); ``GradScaler`` found
     inf/NaN; or no param got a gradient since the previous step (``step()`` consumes
     gradients, so a second ``step()`` after one backward applies nothing; it warns)."""
 
