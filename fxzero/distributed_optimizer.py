@@ -283,14 +283,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         next backward overwrites them, :mod:`fxzero.optim.gradients.stale_grads`); a no-op
         after ``step()``, which consumed them. Managed params' ``.grad`` becomes ``None`` either way (between
         backward and step it is a view of the sharded gradient, never a tensor of its own).
-        With ``set_to_none=False`` every param holds a zero gradient until the next
-        ``step()``, as in torch.optim: a step with no backward, or params a backward does
-        not reach, still get weight decay and momentum."""
+        With ``set_to_none=False`` every param that holds a gradient in torch.optim's terms (one
+        since the last ``zero_grad()`` that set them to ``None``, :mod:`fxzero.optim.gradients.held_grads`)
+        holds a zero gradient until the next ``step()``, as in torch.optim: a step with no
+        backward, or params a backward does not reach, still get weight decay and momentum;
+        a param without one stays without."""
         rt = self.runtime
         rt.grad_views.clear()
         rt.end_step()
-        if not set_to_none:
-            rt.ledger.all_present()
+        if set_to_none:
+            rt.held.release()
+        else:
+            rt.ledger.mark_present(rt.held.flags())
 
     def full_grads(self) -> dict[str, torch.Tensor]:
         """Every managed param's whole averaged gradient by name (module path with

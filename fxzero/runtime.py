@@ -60,6 +60,7 @@ from .optim.gradients.ledger import Ledger
 from .optim.gradients.module_no_sync import install_no_sync
 from .optim.gradients.reduced_grads import ReducedGrads
 from .optim.gradients.reduction import reduction_for
+from .optim.gradients.held_grads import HeldGrads
 from .optim.gradients.stale_grads import StaleGrads
 from .optim.layout.buffers import Bucket, ParamAndGradBuffer
 from .optim.layout.mesh import MeshParams, local_of
@@ -124,6 +125,8 @@ class Runtime:
     """The state API the optimizer delegates to (``state_dict`` and friends, what checkpoints use)."""
     reuse_grad_buffer: bool
     """Whether MXFP8 gathers land in the grad buffer (a bucket is landed before its grads are touched)."""
+    held: HeldGrads
+    """The params holding a gradient in torch.optim's terms: what ``zero_grad(set_to_none=False)`` zeroes."""
     stale: Optional[StaleGrads] = None
     """The consumed gradients left in the grad buffers (``None`` with :attr:`reuse_grad_buffer`: zeroed instead)."""
     teardown: list[weakref.finalize] = dataclasses.field(default_factory=list)
@@ -161,6 +164,8 @@ class Runtime:
                     if not self.param_sync.is_pending(bucket.index):
                         bucket.grad_data.zero_()
             self.ledger.zeroed()
+        counts = self.reduced.present_counts  # the gradients torch.optim's params would now hold
+        self.held.add(self.ledger.presence if counts is None else counts)
         self.reduced.reset()
         self.ledger.start_step()
 
@@ -242,7 +247,7 @@ def build_runtime(
         local_step=compat.unhooked_step(local), update=update, publish=publish,
         by_bucket=by_bucket(plan, param_sync.order, publish), reduced=reduced, param_watch=param_watch,
         grad_views=grad_views, grad_sync=grad_sync, binding=GraphBinding(table, ledger, grad_sync, param_sync), sharded_state=state,
-        reuse_grad_buffer=reuse, stale=stale,
+        reuse_grad_buffer=reuse, held=HeldGrads(len(table.params)), stale=stale,
     )
     _attach(manager, runtime, table, module)
     return runtime

@@ -238,6 +238,43 @@ def test_zero_grad_keeping_zeros_then_a_step_without_backward_decays_like_torch_
     assert skipped == [True] * STEPS and _close(params, _stepped_without_backward("torch", name, True)[0])
 
 
+def _zeroed_keeping_zeros(kind: str, zero_grad_first: bool, by: str) -> list[torch.Tensor]:
+    """Step 0 reaches both heads; steps 1 and 2 zero the gradients with ``set_to_none=False`` (the
+    optimizer's or the model's) and reach head ``a`` only. Head ``b`` holds a zero gradient in
+    torch.optim unless ``zero_grad()`` set it to ``None`` after step 0."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    if kind == "fxzero":
+        opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.1, weight_decay=0.1, module=model)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+    x = _draw(0, 2, 4)
+    (model["a"](x) + model["b"](x)).sum().backward()
+    opt.step()
+    if zero_grad_first:
+        opt.zero_grad()
+    for _ in range(2):
+        (opt if by == "opt" else model).zero_grad(set_to_none=False)
+        model["a"](x).sum().backward()
+        opt.step()
+    return _values(model)
+
+
+@pytest.mark.parametrize("zero_grad_first", [False, True], ids=["held", "set-to-None-first"])
+def test_opt_zero_grad_keeping_zeros_zeroes_the_gradients_params_hold_as_torch_optim(zero_grad_first: bool) -> None:
+    """A param whose gradient ``zero_grad()`` set to ``None`` stays without one (fxzero stepped it)."""
+    assert _close(_zeroed_keeping_zeros("fxzero", zero_grad_first, "opt"), _zeroed_keeping_zeros("torch", zero_grad_first, "opt"))
+
+
+def test_model_zero_grad_keeping_zeros_after_a_step_zeroes_nothing() -> None:
+    """The documented difference: ``step()`` consumed the gradients (``p.grad`` is ``None``), so the
+    model's ``zero_grad(set_to_none=False)`` has none to zero and head ``b`` is not stepped, where
+    torch.optim steps it on a zero gradient; ``opt.zero_grad(set_to_none=False)`` does that."""
+    ours, theirs = _zeroed_keeping_zeros("fxzero", False, "model"), _zeroed_keeping_zeros("torch", False, "model")
+    assert _close(ours[:2], theirs[:2]) and not _close(ours[2:], theirs[2:])
+    assert _close(_zeroed_keeping_zeros("fxzero", False, "opt"), theirs)
+
+
 # ---- full gradients for logging ----------------------------------------------------------------------
 def _logged_grads(kind: str) -> list[dict[str, torch.Tensor]]:
     """Whole gradients between backward and step, after a backward and after clipping."""

@@ -7,6 +7,7 @@ the predicted peak per rank against the peak of torch's allocated bytes in real 
 from __future__ import annotations
 
 import sys
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -47,10 +48,15 @@ def test_bytes_of_a_layout_without_padding_derived_by_hand() -> None:
     assert rs["ms"] > ag["ms"] > 0  # Inductor's NCCL model: twice the bytes take longer
     remainders = size_run(model, 4, config=fxzero.Config(param_remainders=True, optimizer_state_dtype="bf16"))
     longest_run = max(remainders.buckets) // 4  # a run lies in one bucket's shard (and MAX_RUN_NUMEL is larger here)
-    assert (remainders.master_bytes, remainders.state_bytes) == (n // 4 * 2 + 4 * longest_run, n // 4 * 2 * 2 + 8)
+    # fxzero's own AdamW keeps its step counts in Python: no tensor bytes for them
+    assert (remainders.master_bytes, remainders.state_bytes) == (n // 4 * 2 + 4 * longest_run, n // 4 * 2 * 2)
     # each moment in its own dtype: a bf16 first moment beside an fp32 second one
     mixed = size_run(model, 4, config=fxzero.Config(exp_avg_dtype="bf16"))
-    assert mixed.state_bytes == n // 4 * (2 + 4) + 8
+    assert mixed.state_bytes == n // 4 * (2 + 4)
+    # fp8: codes padded to blocks of 32 per run, a 1-byte exponent (first) or 2-byte scale (second) per block;
+    # the runs here are whole weights (multiples of 32) cut at the shard's ends (multiples of 32 too)
+    fp8 = size_run(model, 4, config=fxzero.Config(optimizer_state_dtype="fp8"))
+    assert fp8.state_bytes == n // 4 * 2 + n // 4 // 32 * (1 + 2)
 
 
 @pytest.mark.parametrize(("dp", "tp"), [(64, 1), (8, 8)])
@@ -100,33 +106,58 @@ def test_a_forward_that_reads_values_is_one_error_naming_the_way_out() -> None:
         estimate_activations(ReadsValues(), (torch.ones(3),))
 
 
-def _measured(_: object) -> dict[str, int]:
+_PRECISIONS: dict[str, dict[str, Any]] = {
+    "fp32": {},
+    "bf16 state": {"optimizer_state_dtype": "bf16"},
+    "fp8 state": {"optimizer_state_dtype": "fp8"},
+    "fp8 second moment": {"exp_avg_sq_dtype": "fp8"},
+    "bf16 state, compiled": {"optimizer_state_dtype": "bf16", "compiled_update": True},
+    "remainders, bf16 params": {"param_remainders": True, "optimizer_state_dtype": "fp8", "bf16": True},
+}
+
+
+def _gpt(bf16: bool = False) -> torch.nn.Module:
     sys.path.insert(0, str(ROOT / "examples"))
     from train_gpt import ModelArgs, Transformer
 
     torch.manual_seed(0)
     model = Transformer(ModelArgs(vocab_size=256, block_size=64, dim=64, n_layer=2, n_head=4))
-    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, module=model)
+    return model.to(torch.bfloat16) if bf16 else model
+
+
+def _measured(options: dict[str, Any]) -> dict[str, int]:
+    options = dict(options)
+    model = _gpt(options.pop("bf16", False))
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, module=model, config=fxzero.Config(**options))
     ids = torch.randint(0, 256, (2, 16))
-    model(ids, ids).backward()
+    model(ids, ids).float().backward()
     opt.step()  # AdamW makes its state
     buffers = sum(b.nbytes for b in opt.buffers)
-    return {"buffers": buffers, "state": opt.state_bytes, "scratch": opt.runtime_bytes - buffers, "rank": dist.get_rank()}
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return {"buffers": buffers, "state": opt.state_bytes, "scratch": opt.runtime_bytes - buffers, "rank": rank}
+
+
+@pytest.mark.parametrize("precision", sorted(_PRECISIONS))
+def test_the_state_predicted_in_every_precision_is_what_the_optimizer_allocates(precision: str) -> None:
+    """fxzero's own AdamW keeps its moments per run (fp8 in blocks of 32 with their scales): at world 1."""
+    options = _PRECISIONS[precision]
+    measured = _measured(options)
+    config = fxzero.Config(**{k: v for k, v in options.items() if k != "bf16"})
+    predicted = size_run(_gpt(options.get("bf16", False)), 1, transport="gloo", config=config)
+    assert measured["state"] == predicted.state_bytes + predicted.master_bytes
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_prediction_is_what_the_optimizer_allocates(world: int) -> None:
-    sys.path.insert(0, str(ROOT / "examples"))
-    from train_gpt import ModelArgs, Transformer
-
-    model = Transformer(ModelArgs(vocab_size=256, block_size=64, dim=64, n_layer=2, n_head=4))
-    for measured in run_ranks(world, _measured, None):
-        predicted = size_run(model, world, transport="gloo", rank=measured["rank"])
-        assert measured["buffers"] == predicted.param_bytes + predicted.grad_bytes
-        assert measured["state"] == predicted.state_bytes + predicted.master_bytes
-        slots = 4 * (world - 1) * 2**20  # 4 receive slots of a 1 MiB chunk from each other rank
-        assert measured["scratch"] == predicted.exchange_bytes == slots
+    model = _gpt()
+    for options in ({}, _PRECISIONS["fp8 state"]):  # fp8: each rank's runs cut at its shard's ends
+        for measured in run_ranks(world, _measured, options):
+            predicted = size_run(model, world, transport="gloo", rank=measured["rank"], config=fxzero.Config(**options))
+            assert measured["buffers"] == predicted.param_bytes + predicted.grad_bytes
+            assert measured["state"] == predicted.state_bytes + predicted.master_bytes, (options, measured["rank"])
+            slots = 4 * (world - 1) * 2**20  # 4 receive slots of a 1 MiB chunk from each other rank
+            assert measured["scratch"] == predicted.exchange_bytes == slots
 
 
 def _size_check():

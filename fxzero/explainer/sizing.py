@@ -8,10 +8,13 @@ would allocate, for any data-parallel size, and adds what its step keeps per ran
 * **param buffer**: every param, in its dtype, padded as the layout pads it (each rank holds
   all params: ZeRO-1 shards only the optimizer);
 * **grad buffer**: the same elements in ``Config.grad_dtype`` (fp32 by default);
-* **optimizer state**: this rank's shard (``padded / shard ranks``) times the wrapped
-  optimizer's per-element states (AdamW: 2) in ``Config.optimizer_state_dtype`` (each Adam moment in its
-  own dtype where ``exp_avg_dtype`` / ``exp_avg_sq_dtype`` set one; 8-bit blocks' scales not counted), and a 4-byte
-  step count per param fragment the shard holds (torch's Adam keeps ``step`` as a tensor);
+* **optimizer state**: with fp32 moments, this rank's shard (``padded / shard ranks``) times the
+  wrapped optimizer's per-element states (AdamW: 2) in fp32, and a 4-byte step count per param
+  fragment the shard holds (torch's Adam keeps ``step`` as a tensor). With a narrow moment
+  (``Config.optimizer_state_dtype``, ``exp_avg_dtype`` / ``exp_avg_sq_dtype``) or remainders, fxzero's own
+  AdamW keeps each moment per run of adjacent fragments (one param group assumed): fp32 or bf16
+  elements, or fp8 codes padded to whole blocks of 32 with one scale per block (the first moment's
+  1-byte exponent, the second's 2-byte scale), step counts in Python;
 * **fp32 masters**: of the shard, when params are not fp32 (int16 remainders with
   ``param_remainders``, and the fp32 scratch the step rebuilds one run's master in: at most one
   bucket's shard and :data:`~fxzero.optim.update.flat_update.MAX_RUN_NUMEL` elements, counted at that bound);
@@ -44,12 +47,41 @@ from .._torch_compat import nccl_collective_ms
 from ..config import Config
 from ..optim.gradients.grad_exchange import CHUNK_BYTES, SLOTS
 from ..optim.layout.layout import plan_buckets, shard_fragments
-from ..optim.update.flat_update import MAX_RUN_NUMEL
+from ..optim.update.flat_update import MAX_RUN_NUMEL, Place, plan_runs
+from ..optim.update.moment_store import BLOCK
 from .activations import ActivationEstimate
 
 __all__ = ["SizeReport", "size_run"]
 
 _STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
+
+
+def _moment_bytes(state_dtype: str, numel: int, second: bool) -> int:
+    """One moment of one run in fxzero's own update (:mod:`fxzero.optim.update.moment_store`): fp8 codes
+    padded to whole blocks of 32, and one scale per block (the first moment's int8 exponent, the second's
+    bf16 scale)."""
+    if state_dtype != "fp8":
+        return _STATE_BYTES[state_dtype] * numel
+    blocks = -(-numel // BLOCK)
+    return blocks * (BLOCK + (2 if second else 1))
+
+
+def _own_update_bytes(plans: list[tuple[torch.dtype, Any]], rank: int, first: str, second: str, remainders: bool) -> tuple[int, int]:
+    """(moments, remainders) of fxzero's own update on ``rank``: kept per run of adjacent fragments
+    (as :class:`~fxzero.optim.update.shard_adam.ShardAdamW` plans them, for one param group), step counts
+    in Python, not tensors."""
+    moments = kept = 0
+    for storage, (dtype, plan) in enumerate(plans):
+        places = []
+        for frag in shard_fragments(plan, rank):
+            bucket = plan.buckets[frag.bucket_id]
+            offset = bucket.start + rank * bucket.shard_numel(plan.dp_size) + frag.shard_offset
+            places.append(Place(storage, storage, 0, frag.bucket_id, offset, offset, frag.numel))
+        for run in plan_runs(places):
+            numel = run.stop - run.start
+            moments += _moment_bytes(first, numel, False) + _moment_bytes(second, numel, True)
+            kept += 2 * numel if remainders and dtype == torch.bfloat16 else 0
+    return moments, kept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,10 +248,13 @@ def size_run(model: torch.nn.Module, dp: int, *, tp: int = 1, instances: int = 1
     grad_bytes = sum(plan.numel * grad_item(dtype) for dtype, plan in plans)
     shard = {dtype: plan.numel // shard_ranks for dtype, plan in plans}
     first, second = config.moment_dtypes  # each Adam moment in its own dtype (exp_avg_dtype / exp_avg_sq_dtype)
-    per_element = _STATE_BYTES[first] + _STATE_BYTES[second] if states_per_element == 2 else states_per_element * _STATE_BYTES[first]
-    state = sum(n * per_element for n in shard.values())
-    state += step_bytes * sum(len(shard_fragments(plan, rank % shard_ranks)) for _, plan in plans)
-    masters = sum(n * (2 if config.param_remainders else 4) for dtype, n in shard.items() if dtype != torch.float32)
+    if config.param_remainders or (first, second) != ("fp32", "fp32"):  # fxzero's own AdamW, per run
+        state, kept = _own_update_bytes(plans, rank % shard_ranks, first, second, config.param_remainders)
+    else:
+        state = sum(n * states_per_element * 4 for n in shard.values())
+        state += step_bytes * sum(len(shard_fragments(plan, rank % shard_ranks)) for _, plan in plans)
+        kept = 0
+    masters = kept + sum(n * 4 for dtype, n in shard.items() if dtype != torch.float32 and not (config.param_remainders and dtype == torch.bfloat16))
     if config.param_remainders and any(dtype == torch.bfloat16 for dtype in shard):  # the step's fp32 scratch: one run at most
         masters += 4 * min(MAX_RUN_NUMEL, max(b.numel // shard_ranks for dtype, plan in plans if dtype == torch.bfloat16 for b in plan.buckets))
     grad_sizes = [b.numel * grad_item(dtype) for dtype, plan in plans for b in plan.buckets]

@@ -253,9 +253,10 @@ class Ledger:
         self._seen[:] = self._zeros
         self._presence[:] = self._zeros
 
-    def all_present(self) -> None:
-        """Every param holds a (zero) gradient this step: ``zero_grad(set_to_none=False)``."""
-        self._presence[:] = self._ones
+    def mark_present(self, flags: bytes) -> None:
+        """The params ``flags`` marks hold a (zero) gradient this step: ``zero_grad(set_to_none=False)``,
+        right after the step began (its flags, one byte per param, include whatever was present)."""
+        self._presence[:] = flags
 
     def zeroed(self) -> None:
         """The grad buffers hold no gradient of the coming step: zeroed, or left stale
