@@ -93,7 +93,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # two ranks importing torch and compiling with Inductor: ~18 s on two cores, cold
+@pytest.mark.job  # torchrun, two ranks importing torch and compiling with Inductor: ~18 s on two cores, cold
 def test_the_quickstart_runs_verbatim_and_resumes_at_another_world_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -42,6 +42,7 @@ def _set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
             group["lr"] = lr
 
 
+@pytest.mark.models  # a third-party optimizer: torchao's, an Inductor-compiled step each
 @pytest.mark.parametrize("name", CLASSES)
 def test_torchao_low_bit_adamw_trains_bitwise_like_itself_at_world_1(name: str) -> None:
     cls = getattr(torchao_optim, name)
@@ -82,6 +83,7 @@ def _world_2() -> dict[str, float]:
 
 
 @pytest.mark.slow
+@pytest.mark.models
 def test_torchao_low_bit_adamw_at_world_2_matches_itself_on_averaged_gradients() -> None:
     for result in run_ranks(2, _world_2, timeout=300):
         for name in CLASSES:
