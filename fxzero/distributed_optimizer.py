@@ -187,7 +187,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.finish_param_sync()
         whole = self.consolidated_state_dict()  # collective; the fp32 masters too, where they are apart
         runtime.close()
+        old_params = self.param_table.params
         self._build(planned, module, first=False)  # type: ignore[arg-type]
+        self.runtime.held.carry(runtime.held, old_params, self.param_table.params)
         state = self.runtime.sharded_state
         with state.replacing():
             state.load_whole_states(carried_over(whole, self.param_table, state.fragments))

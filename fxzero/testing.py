@@ -11,6 +11,7 @@ Failure behaviour, which is the point of a harness:
 * if any rank does not answer within ``timeout`` seconds (a hung collective), the pool
   is killed and :class:`RankTimeout` names the ranks that were still running;
 * a pool that failed is closed; :func:`get_pool` makes a fresh one next time;
+* ranks whose caller died without closing the pool (killed, crashed) exit by themselves once idle;
 * a function, argument or result that cannot be pickled is reported at once (the task is
   pickled in the caller before anything is sent, each result on its rank), not as a timeout:
   a queue's feeder thread would only print the pickling error and drop the message.
@@ -24,6 +25,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import faulthandler
+import os
 import pickle
 import queue
 import sys
@@ -47,7 +49,7 @@ class RankTimeout(RuntimeError):
     """One or more ranks did not finish in time (for example, a hung collective)."""
 
 
-def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: Any, results: Any, pg_timeout: float) -> None:
+def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: Any, results: Any, pg_timeout: float, parent: int) -> None:
     faulthandler.enable()  # a hard crash still prints where it happened
     sys.path[:] = sys_path
     torch.set_num_threads(1)
@@ -56,10 +58,27 @@ def _worker(rank: int, world_size: int, port: int, sys_path: list[str], tasks: A
         "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout)
     )
     results.put((rank, True, _dumps("ready")))
-    while (payload := tasks.get()) is not None:
+    while (payload := _next_task(tasks, parent)) is not None:
         results.put((rank, *_run_task(payload)))
         torch.compiler.reset()  # compiled code must not leak into the next function
     dist.destroy_process_group()
+
+
+_ORPHAN_CHECK = 1.0
+"""Seconds an idle rank waits for a task before it checks that the process that started it lives."""
+
+
+def _next_task(tasks: Any, parent: int) -> Any:
+    """The next task, or ``None`` (stop) once the pool's process is gone. A rank's queue holds both
+    ends of its pipe, so a killed caller (SIGKILL, a crash, a killed pytest) sends no stop and no
+    end of file: the rank would wait for ever, a process the user has to find and kill. Orphaned,
+    it is adopted by another process, which :func:`os.getppid` shows."""
+    while True:
+        try:
+            return tasks.get(timeout=_ORPHAN_CHECK)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return None
 
 
 def _dumps(obj: Any) -> bytes:
@@ -111,7 +130,7 @@ class RankPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, world_size, self._store.port, list(sys.path), self._tasks[r], self._results, pg_timeout),
+                args=(r, world_size, self._store.port, list(sys.path), self._tasks[r], self._results, pg_timeout, os.getpid()),
                 daemon=True,
             )
             for r in range(world_size)

@@ -281,6 +281,33 @@ def test_model_zero_grad_keeping_zeros_after_a_step_zeroes_nothing() -> None:
     assert _close(_zeroed_keeping_zeros("fxzero", False, "opt"), theirs)
 
 
+def _added_group_keeping_zeros(kind: str) -> list[torch.Tensor]:
+    """Step 0 reaches heads ``a`` and ``b``; then head ``c`` joins in a param group of its own, and
+    steps 1 and 2 zero the gradients with ``set_to_none=False`` and reach ``a`` and ``c`` only: ``b``
+    holds a zero gradient in torch.optim, across the new layout ``add_param_group`` makes in fxzero."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({name: nn.Linear(4, 4) for name in "abc"})
+    first = [*model["a"].parameters(), *model["b"].parameters()]
+    if kind == "fxzero":
+        opt = fxzero.DistributedOptimizer(first, torch.optim.AdamW, lr=0.1, weight_decay=0.1, module=model)
+    else:
+        opt = torch.optim.AdamW(first, lr=0.1, weight_decay=0.1)
+    x = _draw(0, 2, 4)
+    (model["a"](x) + model["b"](x)).sum().backward()
+    opt.step()
+    opt.add_param_group({"params": list(model["c"].parameters())})
+    for _ in range(2):
+        opt.zero_grad(set_to_none=False)
+        (model["a"](x) + model["c"](x)).sum().backward()
+        opt.step()
+    return _values(model)
+
+
+def test_a_param_group_added_later_keeps_which_params_hold_a_gradient() -> None:
+    """``add_param_group`` lays the params out anew; the record of which ones hold a gradient survives it."""
+    assert _close(_added_group_keeping_zeros("fxzero"), _added_group_keeping_zeros("torch"), atol=0.0)
+
+
 # ---- full gradients for logging ----------------------------------------------------------------------
 def _logged_grads(kind: str) -> list[dict[str, torch.Tensor]]:
     """Whole gradients between backward and step, after a backward and after clipping."""

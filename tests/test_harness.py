@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import time
 
 import pytest
@@ -81,3 +85,42 @@ def test_an_unpicklable_result_is_reported_at_once() -> None:
             pool.run(_returns_a_lock, timeout=20)
         assert time.monotonic() - start < 10
         assert pool.closed
+
+
+_POOL_THEN_SLEEP = """
+import sys, time
+from fxzero.testing import RankPool
+pool = RankPool(2)
+print(*(proc.pid for proc in pool._procs), flush=True)
+time.sleep(600)
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie, exited but not yet reaped by its new parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow  # a pool of its own starts: 7 s
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads process states from /proc")
+def test_ranks_of_a_killed_caller_exit_by_themselves() -> None:
+    """A caller killed by SIGKILL closes nothing; its idle ranks notice they were orphaned and exit
+    (they used to wait on their task queues for ever, holding their memory)."""
+    caller = subprocess.Popen([sys.executable, "-c", _POOL_THEN_SLEEP], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in caller.stdout.readline().split()]  # type: ignore[union-attr]
+        assert len(pids) == 2 and all(map(_running, pids))
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 30
+    while any(map(_running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [pid for pid in pids if _running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"ranks {left} still ran 30 s after their caller was killed"

@@ -11,7 +11,7 @@ nothing at all once every param holds one.
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Sequence
 
 __all__ = ["HeldGrads"]
 
@@ -36,3 +36,12 @@ class HeldGrads:
     def flags(self) -> bytes:
         """One byte per param, 1 where it holds a gradient."""
         return self._held.to_bytes(self._num_params, "little")
+
+    def carry(self, earlier: "HeldGrads", earlier_params: Sequence[object], params: Sequence[object]) -> None:
+        """Take ``earlier``'s record, kept over ``earlier_params``, onto this one's ``params`` (``add_param_group``
+        lays the params out anew): a param keeps holding its gradient, one new to the optimizer holds none.
+        Without it the new table would forget them, and ``zero_grad(set_to_none=False)`` would zero no
+        gradient, so the next step would pass those params by where torch.optim steps them on zeros."""
+        holding = {id(p) for p, flag in zip(earlier_params, earlier.flags()) if flag}
+        self.release()
+        self.add([id(p) in holding for p in params])
