@@ -149,12 +149,18 @@ def local_numel(p: torch.Tensor) -> int:
     return p.to_local().numel() if hasattr(p, "to_local") else p.numel()
 
 
+def _stdlib_sources(root):
+    """The standard library's .py files, not walking site-packages (tens of thousands of files: 0.7 s)."""
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name != "site-packages"]
+        yield from (Path(folder, name) for name in files if name.endswith(".py"))
+
+
 def load_bytes(path, limit=2_000_000):
     if path:
         return Path(path).read_bytes()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
     chunks, total = [], 0
-    for file in sorted(f for f in stdlib.rglob("*.py") if "site-packages" not in f.parts):
+    for file in sorted(_stdlib_sources(Path(sysconfig.get_paths()["stdlib"]))):
         chunks.append(file.read_bytes())
         total += len(chunks[-1])
         if total >= limit:

@@ -36,7 +36,7 @@ def _gpt2(seed: int) -> torch.nn.Module:
     import transformers
 
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=64, bos_token_id=0, eos_token_id=0)
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=32, vocab_size=64, bos_token_id=0, eos_token_id=0)
     assert (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) == (0.1, 0.1, 0.1)
     return transformers.GPT2LMHeadModel(config).train()
 

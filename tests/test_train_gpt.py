@@ -101,6 +101,18 @@ LINE = re.compile(r"^step +(\d+)/(\d+) \| loss ([\d.]+) \| lr ([\d.e+-]+) \| gra
                   r"peak rss ([\d,]+) MiB \| ETA (\S+)$", re.M)
 
 
+def test_the_default_data_is_the_standard_librarys_sources_in_path_order() -> None:
+    """train_gpt's default data (what the recorded parity and loss figures ran on): the standard library's
+    .py files outside site-packages, in sorted path order, cut at the limit; the walk skips site-packages
+    instead of listing it, and must give the same bytes."""
+    import sysconfig
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(f for f in stdlib.rglob("*.py") if "site-packages" not in f.parts)
+    expected = b"\n".join(f.read_bytes() for f in files[:200])[:100_000]
+    assert len(expected) == 100_000 and train_gpt.load_bytes(None, limit=100_000) == expected
+
+
 def test_the_log_shows_each_steps_fields_and_the_metrics_file_holds_them(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """World 1, eager, 5 steps logged every 2: a line for steps 1, 2, 4 and 5 with step k/N, loss,
     lr, grad norm, tok/s, ms/step, peak memory and ETA; --metrics holds the run on its first line
