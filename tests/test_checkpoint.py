@@ -110,7 +110,7 @@ def _resume(tmp_path: Path, saved: tuple[int, int], loaded: tuple[int, int], dty
 
 @pytest.mark.parametrize(
     ("saved", "loaded"),
-    [((1, 2000), (2, 5000)), ((2, 2000), (4, 700)), ((4, 5000), (1, 2000)), ((2, 700), (1, 5000))],
+    [((1, 2000), (2, 5000)), pytest.param((2, 2000), (4, 700), marks=pytest.mark.slow), ((4, 5000), (1, 2000)), ((2, 700), (1, 5000))],
     ids=["1->2", "2->4", "4->1", "2->1"],
 )
 def test_resume_at_another_world_size_matches_single_process_eager(tmp_path: Path, saved, loaded) -> None:
@@ -258,6 +258,7 @@ fxzero.save_checkpoint(ckpt_dir, model, opt, step=2)
 """
 
 
+@pytest.mark.slow  # a rank pool of its own, killed midway
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: Path) -> None:
     """Killed while DCP writes data, before DCP's metadata, and after the manifest but before
     the rename (three processes at once)."""
@@ -305,6 +306,7 @@ def _second_save_loses_a_rank(ckpt_dir: str) -> None:
     fxzero.save_checkpoint(ckpt_dir, model, opt, step=3)
 
 
+@pytest.mark.slow  # kills a rank
 def test_a_rank_killed_during_a_two_rank_save_leaves_the_previous_checkpoint(tmp_path: Path) -> None:
     """The survivor fails (it cannot finish the save's collectives without its peer) instead
     of committing a half-written checkpoint, and removes the partial directory; the previous
@@ -378,7 +380,7 @@ def _peer_fails_before_backward(how: str) -> None:
         raise fxzero.CollectiveError(f"{err} [raised after {time.monotonic() - start:.2f} s]") from err
 
 
-@pytest.mark.parametrize("how", ["killed", pytest.param("silent", marks=pytest.mark.job)])  # silent: waits out a timeout
+@pytest.mark.parametrize("how", [pytest.param("killed", marks=pytest.mark.slow), pytest.param("silent", marks=pytest.mark.job)])  # silent: waits out a timeout
 def test_a_dead_or_silent_peer_makes_the_others_fail_naming_the_bucket(how: str) -> None:
     with RankPool(2, pg_timeout=PG_TIMEOUT) as pool:
         start = time.monotonic()

@@ -78,6 +78,7 @@ def test_ci_fails_when_any_part_fails(tmp_path: Path, global_pytest: int, job_py
     assert any(c.startswith("venv -m pytest") for c in calls), "part 3 runs after an earlier part failed"
 
 
+@pytest.mark.slow  # collects the whole suite in a subprocess: 6 s
 def test_every_job_test_is_slow_too() -> None:
     """The ``job`` tier sits outside the development loop as well (``-m "not slow"``): conftest.py
     marks each ``job`` test ``slow``."""

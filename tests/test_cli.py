@@ -20,6 +20,7 @@ from derived_layout import derive_layout
 ROOT = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # a CLI run in a subprocess with TORCH_LOGS: 5 s
 def test_cli_with_torch_logs_prints_the_table_logs_and_dumps(tmp_path: Path) -> None:
     env = {
         **os.environ,

@@ -76,6 +76,7 @@ def test_an_unpicklable_function_or_argument_is_reported_at_once() -> None:
     assert run_ranks(2, _ranks_and_sum)[1][2] == 3.0  # nothing was sent: the pool still works
 
 
+@pytest.mark.slow  # restarts the pool after the failure: 3.5 s
 def test_an_unpicklable_result_is_reported_at_once() -> None:
     """On a pool of its own: a failed task closes its pool, and the suite's shared one would
     then start over (seconds of imports and warm-up for the tests after this one)."""

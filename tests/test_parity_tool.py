@@ -208,6 +208,7 @@ def test_cli_errors_name_the_bad_argument(targets: Path, tmp_path: Path, capsys:
     assert "invalid choice: 'aot'" in _error([str(targets), "--inner-compiler", "aot"], capsys)
 
 
+@pytest.mark.slow  # fresh ranks that fail
 def test_fxzero_raising_on_a_rank_is_a_fail(targets: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """On ranks of its own: a failed rank closes its pool, and the suite's shared one would
     then start over (seconds of imports and warm-up for the tests after this one)."""
