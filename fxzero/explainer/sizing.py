@@ -48,22 +48,10 @@ from ..config import Config
 from ..optim.gradients.grad_exchange import CHUNK_BYTES, SLOTS
 from ..optim.layout.layout import plan_buckets, shard_fragments
 from ..optim.update.flat_update import MAX_RUN_NUMEL, Place, plan_runs
-from ..optim.update.moment_store import BLOCK
+from ..optim.update.moment_store import moment_nbytes
 from .activations import ActivationEstimate
 
 __all__ = ["SizeReport", "size_run"]
-
-_STATE_BYTES = {"fp32": 4, "bf16": 2, "fp8": 1}
-
-
-def _moment_bytes(state_dtype: str, numel: int, second: bool) -> int:
-    """One moment of one run in fxzero's own update (:mod:`fxzero.optim.update.moment_store`): fp8 codes
-    padded to whole blocks of 32, and one scale per block (the first moment's int8 exponent, the second's
-    bf16 scale)."""
-    if state_dtype != "fp8":
-        return _STATE_BYTES[state_dtype] * numel
-    blocks = -(-numel // BLOCK)
-    return blocks * (BLOCK + (2 if second else 1))
 
 
 def _own_update_bytes(plans: list[tuple[torch.dtype, Any]], rank: int, first: str, second: str, remainders: bool) -> tuple[int, int]:
@@ -79,7 +67,7 @@ def _own_update_bytes(plans: list[tuple[torch.dtype, Any]], rank: int, first: st
             places.append(Place(storage, storage, 0, frag.bucket_id, offset, offset, frag.numel))
         for run in plan_runs(places):
             numel = run.stop - run.start
-            moments += _moment_bytes(first, numel, False) + _moment_bytes(second, numel, True)
+            moments += moment_nbytes(first, numel, second=False) + moment_nbytes(second, numel, second=True)
             kept += 2 * numel if remainders and dtype == torch.bfloat16 else 0
     return moments, kept
 

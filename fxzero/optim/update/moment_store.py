@@ -45,7 +45,7 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["BLOCK", "HIGH_HALF", "MomentStore", "PairHalf", "STATE_DTYPES", "make_stores", "nearest_bf16_bits"]
+__all__ = ["BLOCK", "HIGH_HALF", "MomentStore", "PairHalf", "STATE_DTYPES", "make_stores", "moment_nbytes", "nearest_bf16_bits"]
 
 BLOCK = 32
 STATE_DTYPES = ("fp32", "bf16", "fp8")
@@ -212,6 +212,19 @@ class PairHalf:
 
     def import_(self, values: torch.Tensor) -> None:
         self.save(values.to(torch.float32))
+
+
+_ELEMENT_BYTES = {"fp32": 4, "bf16": 2}
+
+
+def moment_nbytes(state_dtype: str, numel: int, *, second: bool) -> int:
+    """The bytes :func:`make_stores` keeps for one moment of a run of ``numel`` elements, without
+    allocating it (``fxzero explain --size``): fp8 codes padded to whole blocks, and one scale per
+    block (the first moment's int8 exponent, the second's bf16 scale); packed bf16 moments take
+    half a word each, as two bf16 tensors would."""
+    if state_dtype != "fp8":
+        return _ELEMENT_BYTES[state_dtype] * numel
+    return -(-numel // BLOCK) * (BLOCK + (2 if second else 1))
 
 
 def make_store(state_dtype: str, numel: int, device: torch.device, *, second: bool) -> MomentStore:
