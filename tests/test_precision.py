@@ -202,6 +202,20 @@ def test_remainders_with_fused_train_bitwise_like_fused_fp32_masters_rounded_hal
                                     config=fxzero.Config(param_remainders=True, optimizer_state_dtype="bf16"))  # fmt: skip
 
 
+@pytest.mark.parametrize("options", [{"optimizer_state_dtype": "bf16"}, {"optimizer_state_dtype": "fp8"},
+                                     {"optimizer_state_dtype": "bf16", "compiled_update": True},
+                                     {"optimizer_state_dtype": "fp8", "compiled_update": True},
+                                     {"exp_avg_sq_dtype": "bf16", "compiled_update": True}],
+                         ids=["bf16", "fp8", "bf16-compiled", "fp8-compiled", "fp32-bf16-compiled"])  # fmt: skip
+def test_remainders_with_narrow_moments_train_bitwise_like_fp32_masters_rounded_half_away(options: dict[str, Any]) -> None:
+    """A remainder rebuilds the master exactly, so the moments' dtype changes nothing: the same update
+    steps the same fp32 values. With ``compiled_update`` the join and the split run outside the
+    compiled update, on the step's scratch (``fxzero/optim/update/fused_run.py``)."""
+    masters = _train("mlp_branch", {**options, "param_rounding": "half_away"}, steps=4)
+    remainders = _train("mlp_branch", {**options, "param_remainders": True}, steps=4)
+    assert _same(masters, remainders)
+
+
 def test_narrow_state_stays_near_fp32_and_keeps_fewer_bytes() -> None:
     runs = {label: _train("gpt", MODES[label], dtype=torch.float32) for label in ("fp32", "bf16 state", "fp8 state")}
     moments = {label: run["opt"].state_bytes for label, run in runs.items()}  # fp32 params: no separate masters

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fxzero
-from fxzero.optim.params import bf16_rounding
+from fxzero.optim.params import bf16_rounding, paired_words
 from fxzero.optim.params.rounding_kernels import RoundingKernels
 
 from models import batch, build, forward_kwargs, loss_fn, param_groups
@@ -37,9 +37,11 @@ def _masters(n: int) -> torch.Tensor:
     return every[~every.isnan()]
 
 
-@pytest.mark.parametrize("n", [1, 15, 17, 4099])
-def test_compiled_rounding_split_and_join_give_the_eager_bits(n: int) -> None:
-    masters = _masters(n)
+@pytest.mark.parametrize("n, offset", [(1, 0), (15, 0), (17, 0), (4099, 0), (4099, 1), (4099, 2), (4099, 3)])
+def test_compiled_rounding_split_and_join_give_the_eager_bits(n: int, offset: int) -> None:
+    """Both loops: ``_masters(4099)`` has an even length (so offsets 0 and 2 take the word loops of
+    :mod:`~fxzero.optim.params.paired_words`), ``_masters(n)[1:]`` an odd one (the element loops)."""
+    masters = _masters(n)[offset:]
     for rounding in ("half_away", "stochastic", "nearest_even"):
         eager, compiled = torch.empty(masters.shape, dtype=torch.bfloat16), torch.empty(masters.shape, dtype=torch.bfloat16)
         EAGER.round_into(masters, eager, rounding)
@@ -52,6 +54,8 @@ def test_compiled_rounding_split_and_join_give_the_eager_bits(n: int) -> None:
     assert torch.equal(param.view(torch.int16), param_c.view(torch.int16)) and torch.equal(remainder, remainder_c)
     joined = COMPILED.join(param, remainder)
     assert torch.equal(joined.view(torch.int32), masters.view(torch.int32))  # the master, exactly
+    into = torch.full(masters.shape, 7.0)
+    assert COMPILED.join(param, remainder, into) is into and torch.equal(into.view(torch.int32), masters.view(torch.int32))
     assert torch.equal(joined.view(torch.int32), bf16_rounding.join(param, remainder).view(torch.int32))
 
 
@@ -69,6 +73,33 @@ def test_the_compiled_watch_check_finds_every_changed_param_even_the_other_neigh
         other = param.clone()
         other.view(torch.int16)[at] ^= 1  # the last bit flipped: the other neighbour, or the code past it
         assert COMPILED.holds_rounding(masters, other, "stochastic") is False, at
+
+
+def test_the_word_loops_pair_the_same_elements_or_decline() -> None:
+    """Word views exist exactly where both sides pair elements ``2i`` and ``2i + 1`` of each tensor."""
+    master, param = torch.zeros(64), torch.zeros(64, dtype=torch.bfloat16)
+    assert paired_words.words(master, param) is not None and paired_words.words(master[2:], param[2:]) is not None
+    assert paired_words.words(master[1:], param[1:]) is None  # odd offset and length
+    assert paired_words.words(master[1:-1], param[1:-1]) is None  # even length, odd offset
+    assert paired_words.words(master[:-1], param[:-1]) is None  # odd length
+    assert paired_words.words(master[:2], param[:2]) is None  # one word: Dynamo would specialize it
+    assert paired_words.words(master[::2], param[::2]) is None  # not contiguous
+    assert paired_words.words(master, param[:32]) is None  # not the same length
+
+
+def test_the_word_loops_keep_nan_payloads_as_the_eager_ops_do() -> None:
+    """The element loops' one difference from the eager ops (a bf16 conversion makes NaNs canonical)
+    is not the word loops': they convert nothing."""
+    nans = torch.tensor([0x7FC12345, 0x7F812345, -0x00800001, 0x7FFFFFFF, 0x7FFF8000, -1, 0x7FA0FFFF, 0x3F800000], dtype=torch.int32)
+    masters = nans.view(torch.float32)
+    for rounding in ("half_away", "stochastic"):
+        eager, compiled = torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.bfloat16)
+        EAGER.round_into(masters, eager, rounding)
+        COMPILED.round_into(masters, compiled, rounding)
+        assert torch.equal(eager.view(torch.int16), compiled.view(torch.int16)), rounding
+    param, remainder = torch.empty(8, dtype=torch.bfloat16), torch.empty(8, dtype=torch.int16)
+    COMPILED.split_consuming(masters.clone(), param, remainder)
+    assert torch.equal(COMPILED.join(param, remainder).view(torch.int32), nans)
 
 
 def _run(name: str, options: dict[str, Any], steps: int = 4) -> list[torch.Tensor]:

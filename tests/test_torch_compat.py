@@ -119,3 +119,20 @@ def test_a_torch_outside_the_range_is_refused_at_import_in_one_sentence() -> Non
                          env=env, capture_output=True, text=True, timeout=120)
     assert run.returncode != 0
     assert run.stderr.strip().splitlines()[-1] == f"ImportError: {compat.unsupported_torch_message('2.16.0')}"
+
+
+def test_the_recompile_limit_holds_inside_its_context_and_is_restored_after_it_even_on_error() -> None:
+    """``recompile_limit`` sets Dynamo's per-function limit directly (cheaper than ``config.patch`` on the
+    per-run path of the compiled update) and must leave the user's setting as it found it."""
+    import torch._dynamo
+
+    from fxzero._torch_compat import recompile_limit
+
+    before = torch._dynamo.config.recompile_limit
+    with recompile_limit(before + 57):
+        assert torch._dynamo.config.recompile_limit == before + 57
+    assert torch._dynamo.config.recompile_limit == before
+    with pytest.raises(RuntimeError, match="inside"):
+        with recompile_limit(3):
+            raise RuntimeError("inside")
+    assert torch._dynamo.config.recompile_limit == before

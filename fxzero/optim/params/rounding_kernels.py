@@ -6,17 +6,22 @@ Eagerly each is a chain of up to nine torch ops, a pass over memory each: stocha
 cost 2.5x a whole fp32 AdamW step (``benchmarks/update.py``). Integer arithmetic has one
 answer, so Inductor's single loop gives the eager chain's bits exactly (checked element for
 element in ``tests/test_rounding_kernels.py``, hash included); with ``Config.compiled_update``
-the step uses these, but for half-away rounding alone: two eager ops and a narrowing copy beat
-Inductor's loop there (measured in :meth:`RoundingKernels.round_into`).
+the step uses these.
 
-**How the loops stay vectorized.** Inductor's CPU code generator vectorizes int32 and float
-arithmetic but falls back to a scalar loop for a bit cast from float and for int16 stores. So
-the masters come in as int32 views (the cast is a view made outside the graph), and a bf16 param
-is written as the fp32 value whose low 16 bits are zero (``bits & 0xFFFF0000``): converting it
-to bf16 is exact, and vectorized. The remainder (int16) is the one scalar store left.
+**How the loops stay vectorized.** Inductor's CPU code generator vectorizes a loop only if it has
+vectors for every dtype in it (not int16) and falls back to scalar code for a bit cast from float.
+So where the memory allows (:func:`~.paired_words.words`: even lengths and offsets, the common
+case), the loops see two elements per word (:mod:`.paired_words`): int64 words of fp32 masters,
+int32 words of bf16 params and int16 remainders, all of it int32 and int64 arithmetic, 1.7x to 3x
+faster. The element loops here serve the rest: the masters come in as int32 views (the cast is a
+view made outside the graph), and a bf16 param is written as the fp32 value whose low 16 bits are
+zero (``bits & 0xFFFF0000``): converting it to bf16 is exact, and vectorized. Their remainders are
+narrowed to int16 by ``copy_`` after the loop, and their half-away rounding is eager (two ops and
+a narrowing copy, faster than Inductor's element loop).
 
-Differs from the eager ops only on NaN masters whose payload lies in the high 16 bits (bf16
-conversion makes them the canonical NaN; the eager shift keeps the payload): a NaN param either way.
+The element loops differ from the eager ops only on NaN masters whose payload lies in the high 16
+bits (bf16 conversion makes them the canonical NaN; the eager shift keeps the payload): a NaN param
+either way. The word loops convert nothing and keep every payload.
 """
 
 from __future__ import annotations
@@ -26,10 +31,10 @@ from typing import Optional
 import torch
 
 from ...inductor_function import shared
-from . import bf16_rounding
+from . import bf16_rounding, paired_words
 from .bf16_rounding import Rounding
 
-__all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "rounding_differs", "split_bits", "split_in_place"]
+__all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "rounding_differs", "split_in_place"]
 
 _HALF = 0x8000
 _HIGH = -65536  # 0xFFFF0000 as an int32
@@ -45,13 +50,6 @@ def rounding_differs(bits: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
     view), compared as bit patterns (the param's fp32 value is its bits shifted left by 16); nothing written."""
     expected = torch.add(bits, bf16_rounding.hash16(bits)).bitwise_and_(_HIGH)
     return torch.ne(expected, param.float().view(torch.int32)).any()
-
-
-def split_bits(bits: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
-    """``split`` on the masters' bits (an int32 view)."""
-    high = torch.add(bits, _HALF).bitwise_and_(_HIGH)
-    param.copy_(high.view(torch.float32))
-    remainder.copy_((bits - high).to(torch.int16))
 
 
 def split_in_place(bits: torch.Tensor, param: torch.Tensor) -> None:
@@ -85,13 +83,16 @@ class RoundingKernels:
 
     def round_into(self, master: torch.Tensor, out: torch.Tensor, rounding: Rounding) -> None:
         """Write fp32 ``master`` into the bf16 tensor ``out`` with ``rounding``."""
-        if not self.compiled or rounding != "stochastic":
-            # nearest even is one copy_ already; half away is two eager ops and a narrowing copy_,
-            # faster than Inductor's loop on this CPU (5.24M elements, one thread: 3.2 ms against
+        paired = paired_words.words(master, out) if self.compiled and rounding != "nearest_even" else None
+        if paired is not None:
+            shared(paired_words.round_stochastic if rounding == "stochastic" else paired_words.round_half_away, _GRAPHS)(*paired)
+        elif not self.compiled or rounding != "stochastic":
+            # nearest even is one copy_ already; half away on elements is two eager ops and a narrowing copy_,
+            # faster than Inductor's element loop on this CPU (5.24M elements, one thread: 3.2 ms against
             # 4.6 ms; benchmarks/results/update-2026-11-28.md, part 4), with the same bits
             bf16_rounding.round_into(master, out, rounding)
-            return
-        shared(round_bits, _GRAPHS)(master.view(torch.int32), out)
+        else:
+            shared(round_bits, _GRAPHS)(master.view(torch.int32), out)
 
     def holds_rounding(self, master: torch.Tensor, param: torch.Tensor, rounding: Rounding) -> Optional[bool]:
         """Whether bf16 ``param`` is exactly ``master`` rounded with ``rounding``, in one compiled loop that
@@ -99,6 +100,9 @@ class RoundingKernels:
         scratch, then comparing, reads and writes the scratch besides); ``None`` otherwise."""
         if not self.compiled or rounding != "stochastic":
             return None
+        paired = paired_words.words(master, param)
+        if paired is not None:
+            return not bool(shared(paired_words.differs_stochastic, _GRAPHS)(*paired))
         return not bool(shared(rounding_differs, _GRAPHS)(master.view(torch.int32), param))
 
     def split_consuming(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
@@ -109,6 +113,10 @@ class RoundingKernels:
         if not self.compiled:
             bf16_rounding.split(master, param, remainder)
             return
+        paired = paired_words.words(master, param, remainder)
+        if paired is not None:
+            shared(paired_words.split, _GRAPHS)(*paired)
+            return
         bits = master.view(torch.int32)
         shared(split_in_place, _GRAPHS)(bits, param)
         remainder.copy_(bits)
@@ -117,6 +125,12 @@ class RoundingKernels:
         """The fp32 master ``param`` and ``remainder`` stand for, written into ``out`` (or a new tensor)."""
         if not self.compiled:
             return bf16_rounding.join(param, remainder, out)
+        target = torch.empty(param.shape, dtype=torch.float32, device=param.device) if out is None else out
+        paired = paired_words.words(target, param, remainder)
+        if paired is not None:
+            master_words, param_words, remainder_words = paired
+            shared(paired_words.join, _GRAPHS)(param_words, remainder_words, master_words)
+            return target
         if out is None:
             return shared(join_values, _GRAPHS)(param, remainder)
         shared(join_into, _GRAPHS)(param, remainder, out)

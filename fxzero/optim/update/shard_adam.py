@@ -159,11 +159,13 @@ class ShardAdamW(torch.optim.Optimizer):
         """Update run ``rs``: as one tensor when every fragment steps and their counts agree (the
         common case), else fragment by fragment (a hidden one keeps its values and count)."""
         steps = rs.steps
+        master = rs.master(self.kernels)
         if self.fused is not None and whole and steps.count(steps[0]) == len(steps):
-            self.fused(rs.param, rs.remainder, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper)
+            self.fused(master, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper)
             rs.steps = [steps[0] + 1] * len(steps)
+            rs.keep_master(master, self.kernels)
             return
-        master, m, v = rs.master(self.kernels), rs.exp_avg.load(), rs.exp_avg_sq.load()
+        m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
         reuse = rs.grad.dtype == torch.float32  # the consumed gradient holds the denominator (see _adam)
         if whole and steps.count(steps[0]) == len(steps):
             _adam(master, rs.grad, m, v, steps[0] + 1, hyper, reuse)
