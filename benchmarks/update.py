@@ -55,6 +55,8 @@ SPEED_MODES: dict[str, tuple[str, torch.dtype, dict[str, Any], float]] = {
     "fxzero fp32 state, fp32 params, fused=True, buffers zeroed": ("fxzero", torch.float32, {"fused": True, "zeroed_buffers": True}, 4 + 3 * 8),
     "fxzero fp32 state, bf16 params + fp32 masters": ("fxzero", torch.bfloat16, {}, 4 + 3 * 8 + 2),
     "fxzero fp32 state, bf16 params + fp32 masters, fused=True": ("fxzero", torch.bfloat16, {"fused": True}, 4 + 3 * 8 + 2),
+    "fxzero fp32 state, bf16 params + fp32 masters, fused=True, compiled_update": ("fxzero", torch.bfloat16, {"fused": True, "compiled_update": True},
+                                                                                  4 + 3 * 8 + 2),
     "fxzero bf16 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16"}, 4 + 8 + 2 * 4),
     "fxzero fp8 state": ("fxzero", torch.float32, {"optimizer_state_dtype": "fp8"}, 4 + 8 + 2 * (_FP8_M + _FP8_V)),
     "fxzero bf16 state, compiled_update": ("fxzero", torch.float32, {"optimizer_state_dtype": "bf16", "compiled_update": True}, 4 + 8 + 2 * 4),
@@ -203,10 +205,14 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("remainders vs fp32-master fused", "fxzero remainders, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters, fused=True", 1.3),
     ("remainders vs fp32-master, both fused=True", "fxzero remainders, fused=True, compiled_update",
      "fxzero fp32 state, bf16 params + fp32 masters, fused=True", 1.3),
+    ("remainders vs fp32-master, both fused=True, compiled_update", "fxzero remainders, fused=True, compiled_update",
+     "fxzero fp32 state, bf16 params + fp32 masters, fused=True, compiled_update", 1.3),
     ("remainders vs fp32-master (same flags)", "fxzero remainders, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters", 1.3),
     ("stochastic vs nearest (same flags)", "fxzero stochastic rounding, compiled_update", "fxzero fp32 state, bf16 params + fp32 masters", 1.2),
     ("stochastic vs nearest, fused=True", "fxzero stochastic rounding, fused=True, compiled_update",
      "fxzero fp32 state, bf16 params + fp32 masters, fused=True", 1.2),
+    ("stochastic vs nearest, both fused=True, compiled_update", "fxzero stochastic rounding, fused=True, compiled_update",
+     "fxzero fp32 state, bf16 params + fp32 masters, fused=True, compiled_update", 1.2),
 )
 
 

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 import fxzero
 from fxzero import mxfp8
+from fxzero.optim.params import paired_words
 from fxzero.testing import run_ranks
 
 from models import batch, build, loss_fn
@@ -69,11 +70,13 @@ def _expected(write: str, pretrained: dict) -> dict:
 
 @pytest.mark.parametrize("write", sorted(_WRITES))
 @pytest.mark.parametrize("when", ["before-first-step", "after-backward"])
-@pytest.mark.parametrize("rounding", [{}, {"param_rounding": "stochastic", "compiled_update": True}], ids=["nearest", "stochastic-compiled"])
+@pytest.mark.parametrize("rounding", [{}, {"param_rounding": "stochastic", "compiled_update": True}, {"compiled_update": True},
+                                      {"param_rounding": "half_away", "compiled_update": True}],
+                         ids=["nearest", "stochastic-compiled", "nearest-compiled", "half_away-compiled"])  # fmt: skip
 def test_bf16_params_written_after_build_survive_the_next_step(write: str, when: str, rounding: dict) -> None:
     """lr=0: the step must leave the params exactly as written (the stale fp32 masters
-    were written back: max diff 0.66). Compiled stochastic rounding finds the writes in one
-    loop that rounds and compares (``Gather.still_holds``)."""
+    were written back: max diff 0.66). Compiled, every rounding finds the writes in one
+    loop that rounds and compares (``Gather.still_holds``; the shard has an even length: word loops)."""
     model = _small().to(torch.bfloat16)
     pretrained = {n: v.clone() for n, v in _small(seed=1).to(torch.bfloat16).state_dict().items()}
     opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.0, weight_decay=0.0, module=model,
@@ -91,6 +94,8 @@ def test_bf16_params_written_after_build_survive_the_next_step(write: str, when:
         assert torch.equal(value, _expected(write, pretrained)[name]), name
     (shard,) = opt.runtime.shards
     assert torch.equal(shard.main.to(torch.bfloat16), shard.bucket.param_data)
+    if rounding.get("compiled_update"):
+        assert paired_words.words(shard.main, shard.bucket.param_shards[0]) is not None
 
 
 def _mxfp8_written(reuse: bool, write: str) -> dict:

@@ -59,20 +59,47 @@ def test_compiled_rounding_split_and_join_give_the_eager_bits(n: int, offset: in
     assert torch.equal(joined.view(torch.int32), bf16_rounding.join(param, remainder).view(torch.int32))
 
 
-@pytest.mark.parametrize("n", [1, 17, 4099])
-def test_the_compiled_watch_check_finds_every_changed_param_even_the_other_neighbour(n: int) -> None:
-    """``holds_rounding`` answers whether a bf16 param is its master's stochastic rounding without
-    writing: any changed element is found, also a param set to the other of the two bf16 values the
-    master lies between (which a check of the neighbours alone would miss)."""
-    masters = _masters(n)
+@pytest.mark.parametrize("n, offset", [(1, 0), (17, 0), (4099, 0), (4099, 2)])
+@pytest.mark.parametrize("rounding", ["stochastic", "half_away", "nearest_even"])
+def test_the_compiled_watch_check_finds_every_changed_param_even_the_other_neighbour(n: int, offset: int, rounding: str) -> None:
+    """``holds_rounding`` answers whether a bf16 param is its master's rounding without writing: any
+    changed element is found, also a param set to the other of the two bf16 values the master lies
+    between (which a check of the neighbours alone would miss). Even lengths take the word loops,
+    odd ones the element loop (stochastic) or none (the caller rounds and compares)."""
+    masters = _masters(n)[offset:]
     param = torch.empty(masters.shape, dtype=torch.bfloat16)
-    EAGER.round_into(masters, param, "stochastic")
-    assert COMPILED.holds_rounding(masters, param, "stochastic") is True
-    assert COMPILED.holds_rounding(masters, param, "half_away") is None and EAGER.holds_rounding(masters, param, "stochastic") is None
-    for at in {0, n // 2, n - 1}:
+    EAGER.round_into(masters, param, rounding)
+    words = paired_words.words(masters, param) is not None
+    if not words and rounding != "stochastic":
+        assert COMPILED.holds_rounding(masters, param, rounding) is None
+        return
+    assert COMPILED.holds_rounding(masters, param, rounding) is True
+    assert EAGER.holds_rounding(masters, param, rounding) is None
+    for at in {0, 1, masters.numel() // 2, masters.numel() - 1}:
         other = param.clone()
         other.view(torch.int16)[at] ^= 1  # the last bit flipped: the other neighbour, or the code past it
-        assert COMPILED.holds_rounding(masters, other, "stochastic") is False, at
+        assert COMPILED.holds_rounding(masters, other, rounding) is False, at
+        other = param.clone()
+        other.view(torch.int16)[at] ^= -32768  # the sign flipped
+        assert COMPILED.holds_rounding(masters, other, rounding) is False, at
+
+
+def test_the_nearest_even_check_takes_any_nan_for_a_nan_master_and_nothing_else() -> None:
+    """``copy_`` writes a NaN master as 0xFFFF in its vector loop and 0x7FC0 in its scalar one, so the
+    word check holds any NaN param for a NaN master, and finds a NaN where the master is a number."""
+    masters = torch.tensor([float("nan"), 1.0, -float("nan"), 2.5, float("inf"), 3.4e38, -0.0, 1e-40])
+    param = masters.to(torch.bfloat16)
+    assert COMPILED.holds_rounding(masters, param, "nearest_even") is True
+    param.view(torch.int16)[0] = 0x7FC0
+    param.view(torch.int16)[2] = -1
+    assert COMPILED.holds_rounding(masters, param, "nearest_even") is True
+    for at in (1, 4, 5, 6, 7):
+        other = param.clone()
+        other[at] = float("nan")
+        assert COMPILED.holds_rounding(masters, other, "nearest_even") is False, at
+    other = param.clone()
+    other[0] = 1.0  # a number where the master is NaN
+    assert COMPILED.holds_rounding(masters, other, "nearest_even") is False
 
 
 def test_the_word_loops_pair_the_same_elements_or_decline() -> None:

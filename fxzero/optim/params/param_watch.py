@@ -21,10 +21,11 @@ every ``step()``:
   that differ into its masters. Version counters would miss ``p.data`` writes (``.data``
   has a counter of its own), so the check compares values: one copy and one comparison
   of 1/dp of those buckets per step, the comparison on 8-byte words where the shard's
-  alignment allows (fewer, wider elements to compare than bf16 ones); with stochastic
-  rounding under ``Config.compiled_update``, one compiled loop that rounds and compares,
-  writing nothing (:meth:`~fxzero.optim.params.param_sync.Gather.still_holds`). fp32 params
-  without MXFP8 *are* their masters and need no check.
+  alignment allows (fewer, wider elements to compare than bf16 ones); under
+  ``Config.compiled_update``, one compiled loop that rounds and compares, writing nothing
+  (:meth:`~fxzero.optim.params.param_sync.Gather.still_holds`; every rounding where the shard's
+  length and offset are even, stochastic rounding always). fp32 params without MXFP8 *are*
+  their masters and need no check.
 """
 
 from __future__ import annotations

@@ -70,6 +70,10 @@ def join_into(param: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -
     out.copy_(join_values(param, remainder))
 
 
+_DIFFERS = {"nearest_even": paired_words.differs_nearest_even, "half_away": paired_words.differs_half_away,
+            "stochastic": paired_words.differs_stochastic}
+"""Each rounding's word loop that tells whether params still hold their masters' rounding."""
+
 _GRAPHS = 8
 """Graphs per function at most: one per rounding and kinds of input (contiguous or not)."""
 
@@ -96,13 +100,17 @@ class RoundingKernels:
 
     def holds_rounding(self, master: torch.Tensor, param: torch.Tensor, rounding: Rounding) -> Optional[bool]:
         """Whether bf16 ``param`` is exactly ``master`` rounded with ``rounding``, in one compiled loop that
-        writes nothing (stochastic rounding, compiled: its hash is the costly part, and rounding into a
-        scratch, then comparing, reads and writes the scratch besides); ``None`` otherwise."""
-        if not self.compiled or rounding != "stochastic":
+        writes nothing (rounding into a scratch, then comparing, reads and writes the scratch besides): a
+        word loop for every rounding (a NaN master's param may be any NaN under nearest even), the element
+        loop for stochastic rounding (its hash is the costly part); ``None`` otherwise (the caller rounds
+        and compares)."""
+        if not self.compiled:
             return None
         paired = paired_words.words(master, param)
         if paired is not None:
-            return not bool(shared(paired_words.differs_stochastic, _GRAPHS)(*paired))
+            return not bool(shared(_DIFFERS[rounding], _GRAPHS)(*paired))
+        if rounding != "stochastic":
+            return None
         return not bool(shared(rounding_differs, _GRAPHS)(master.view(torch.int32), param))
 
     def split_consuming(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
