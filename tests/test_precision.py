@@ -203,8 +203,8 @@ def test_remainders_with_fused_train_bitwise_like_fused_fp32_masters_rounded_hal
 
 
 @pytest.mark.parametrize("options", [{"optimizer_state_dtype": "bf16"}, {"optimizer_state_dtype": "fp8"},
-                                     {"optimizer_state_dtype": "bf16", "compiled_update": True},
-                                     {"optimizer_state_dtype": "fp8", "compiled_update": True},
+                                     pytest.param({"optimizer_state_dtype": "bf16", "compiled_update": True}, marks=pytest.mark.slow),
+                                     pytest.param({"optimizer_state_dtype": "fp8", "compiled_update": True}, marks=pytest.mark.slow),
                                      {"exp_avg_sq_dtype": "bf16", "compiled_update": True}],
                          ids=["bf16", "fp8", "bf16-compiled", "fp8-compiled", "fp32-bf16-compiled"])  # fmt: skip
 def test_remainders_with_narrow_moments_train_bitwise_like_fp32_masters_rounded_half_away(options: dict[str, Any]) -> None:
