@@ -12,7 +12,7 @@ masters as int64 words (elements ``2i`` and ``2i + 1`` in the low and high 32 bi
 params and int16 remainders as int32 words (the two elements in the low and high 16 bits). Every
 load, store and operation is then on int32 or int64 vectors, nothing is converted to float, and the
 results are the eager ops' bits exactly (``tests/test_rounding_kernels.py``), NaN payloads included:
-join 2.9 ms, split 2.0 ms, stochastic rounding 2.1 ms on the same elements. The check that a bf16 param
+join 2.5 ms, split 2.0 ms, stochastic rounding 2.1 ms on the same elements. The check that a bf16 param
 still holds its master's rounding (``param_watch``'s, each step) reads both once and writes nothing.
 
 The word views need what :func:`words` checks: 1-D contiguous tensors of one even length at even
@@ -112,8 +112,11 @@ def split(master_words: torch.Tensor, param_words: torch.Tensor, remainder_words
 
 
 def join(param_words: torch.Tensor, remainder_words: torch.Tensor, master_words: torch.Tensor) -> None:
-    """:func:`~.bf16_rounding.join` on words: each master's bits are its param's shifted left by 16
-    plus its remainder, sign-extended (an arithmetic shift right extends the sign)."""
-    even = (param_words << 16) + ((remainder_words << 16) >> 16)
-    odd = (param_words & _HIGH) + (remainder_words >> 16)
-    master_words.copy_((even.to(torch.int64) & _LOW32) | (odd.to(torch.int64) << 32))
+    """:func:`~.bf16_rounding.join` on words: each master's bits are its param's shifted left by 16 plus
+    its remainder, sign-extended. In int64 lanes (an arithmetic shift right extends the sign; bits
+    shifted past either end fall away): 2.5 ms per 5.24M elements against 3.0 ms in int32 lanes packed
+    into int64 words at the end."""
+    params, remainders = param_words.to(torch.int64), remainder_words.to(torch.int64)
+    even = ((params << 16) + ((remainders << 48) >> 48)) & _LOW32
+    odd = ((params & 0xFFFF0000) + (remainders >> 16)) << 32
+    master_words.copy_(even | odd)
