@@ -242,7 +242,8 @@ class Config:
       torch.optim's, so params differ from the eager update's in the last bits;
     * the bit operations of ``param_rounding="half_away"`` / ``"stochastic"`` and of
       ``param_remainders`` run as one loop each (:mod:`fxzero.optim.params.rounding_kernels`), with the
-      eager ops' bits: remainders stay bitwise the half-away fp32-master run.
+      eager ops' bits: remainders stay bitwise the half-away fp32-master run; so does the per-step
+      check that bf16 params still hold their masters' rounding (writes from outside the optimizer).
 
     fp32 state keeps torch.optim's update (bitwise the wrapped class)."""
 
