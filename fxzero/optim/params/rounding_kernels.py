@@ -12,7 +12,7 @@ the step uses these.
 vectors for every dtype in it (not int16) and falls back to scalar code for a bit cast from float.
 So where the memory allows (:func:`~.paired_words.words`: even lengths and offsets, the common
 case), the loops see two elements per word (:mod:`.paired_words`): int64 words of fp32 masters,
-int32 words of bf16 params and int16 remainders, all of it int32 and int64 arithmetic, 1.7x to 3x
+int32 words of bf16 params and int16 remainders, all of it int32 and int64 arithmetic, 1.3x to 3x
 faster. The element loops here serve the rest: the masters come in as int32 views (the cast is a
 view made outside the graph), and a bf16 param is written as the fp32 value whose low 16 bits are
 zero (``bits & 0xFFFF0000``): converting it to bf16 is exact, and vectorized. Their remainders are
@@ -116,9 +116,9 @@ class RoundingKernels:
     def split_consuming(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
         """fp32 ``master`` -> bf16 ``param`` (half away) and int16 ``remainder``, with ``master``'s memory
         as scratch: its values are lost (the step's rebuilt master, no longer read). Compiled: one word loop
-        (2.0 ms per 5.24M elements, one thread), or where the words cannot pair elements, an element loop
+        (2.4 ms per 5.24M elements, one thread), or where the words cannot pair elements, an element loop
         whose remainders go through ``master`` as int32 and are then narrowed by ``copy_`` (the loop's int16
-        store is scalar; the two passes together take half its time: 2.9 ms against 6.1 ms; the same bits)."""
+        store is scalar; the two passes together take half its time: 2.9-3.1 ms against 6.1 ms; the same bits)."""
         if not self.compiled:
             bf16_rounding.split(master, param, remainder)
             return
