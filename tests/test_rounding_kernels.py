@@ -112,6 +112,8 @@ def test_the_word_loops_pair_the_same_elements_or_decline() -> None:
     assert paired_words.words(master[:2], param[:2]) is None  # one word: Dynamo would specialize it
     assert paired_words.words(master[::2], param[::2]) is None  # not contiguous
     assert paired_words.words(master, param[:32]) is None  # not the same length
+    assert paired_words.words(master.double(), param) is None and paired_words.words(master, param.half()) is None  # other dtypes
+    assert paired_words.words(master, torch.zeros(64, dtype=torch.int16)) is not None  # remainders
 
 
 def test_the_word_loops_keep_nan_payloads_as_the_eager_ops_do() -> None:

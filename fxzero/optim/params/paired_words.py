@@ -42,11 +42,14 @@ and a graph per tiny size is not worth it."""
 
 
 def words(master: torch.Tensor, *halves: torch.Tensor) -> Optional[tuple[torch.Tensor, ...]]:
-    """fp32 ``master`` as int64 words and each 16-bit tensor of ``halves`` as int32 words, or ``None``
-    where the views cannot pair the same elements (odd length or offset, not contiguous, big-endian)."""
+    """fp32 ``master`` as int64 words and each bf16 or int16 tensor of ``halves`` as int32 words, or ``None``
+    where the views cannot pair the same elements (odd length or offset, not contiguous, big-endian) or
+    the dtypes are not those (the word loops assume them)."""
     n = master.numel()
     tensors = (master, *halves)
     if sys.byteorder != "little" or n % 2 or n < 2 * _MIN_WORDS:
+        return None
+    if master.dtype != torch.float32 or any(h.dtype not in (torch.bfloat16, torch.int16) for h in halves):
         return None
     if any(t.dim() != 1 or t.numel() != n or t.stride(0) != 1 or t.storage_offset() % 2 for t in tensors):
         return None
