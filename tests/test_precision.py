@@ -42,6 +42,8 @@ MODES: dict[str, dict[str, Any]] = {
     "remainders, bf16 state": {"param_remainders": True, "optimizer_state_dtype": "bf16"},
     "stochastic rounding": {"param_rounding": "stochastic"},
     "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
+    "remainders, bf16 state, compiled update": {"param_remainders": True, "optimizer_state_dtype": "bf16", "compiled_update": True},
+    "stochastic rounding, compiled update": {"param_rounding": "stochastic", "compiled_update": True},
     "remainders, fused": {"param_remainders": True, "flags": {"fused": True}},  # "flags": the optimizer's, not the Config's
 }
 
@@ -248,6 +250,7 @@ def test_other_classes_and_unsupported_flags_are_refused_naming_the_option() -> 
 
 
 @pytest.mark.parametrize("label", ["bf16 state", "fp8 state", "remainders", "stochastic rounding", "bf16 state, compiled update",
+                                   "remainders, bf16 state, compiled update", "stochastic rounding, compiled update",
                                    "remainders, fused"])  # fmt: skip
 def test_every_mode_resumes_bitwise_from_a_checkpoint(label: str, tmp_path: Any) -> None:
     """A 4-step run saves after step 2 (``fxzero.save_checkpoint`` and ``opt.state_dict()``); a fresh
@@ -321,6 +324,7 @@ COMPILED = {  # label -> options; the same compiled graphs serve every run (runs
     "bf16 state, mxfp8 gather": {"optimizer_state_dtype": "bf16", "mxfp8_param_gather": True},
     "mxfp8 gather": {"mxfp8_param_gather": True},
     "remainders, compiled update": {"param_remainders": True, "compiled_update": True},
+    "half_away, compiled update": {"param_rounding": "half_away", "compiled_update": True},
     "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
     "half_away, fused": {"param_rounding": "half_away", "flags": {"fused": True}},
     "remainders, fused": {"param_remainders": True, "flags": {"fused": True}},
@@ -346,6 +350,7 @@ def _modes(inner: Any) -> dict[str, Any]:
 
 def _check_modes(runs: dict[str, Any]) -> None:
     assert _same(runs["remainders"], runs["half_away"]) and _same(runs["remainders, compiled update"], runs["half_away"])
+    assert _same(runs["half_away, compiled update"], runs["half_away"])  # word loops: publish and the watch check
     assert _same(runs["remainders, fused"], runs["half_away, fused"])
     for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5), ("bf16 state, compiled update", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
         assert _drift(runs[label], runs["fp32"]) < bound * STEPS, (label, _drift(runs[label], runs["fp32"]))

@@ -70,6 +70,9 @@ def join_into(param: torch.Tensor, remainder: torch.Tensor, out: torch.Tensor) -
     out.copy_(join_values(param, remainder))
 
 
+_WORD_ROUNDS = {"half_away": paired_words.round_half_away, "stochastic": paired_words.round_stochastic}
+"""Each rounding's word loop (nearest even stays ``copy_``)."""
+
 _DIFFERS = {"nearest_even": paired_words.differs_nearest_even, "half_away": paired_words.differs_half_away,
             "stochastic": paired_words.differs_stochastic}
 """Each rounding's word loop that tells whether params still hold their masters' rounding."""
@@ -87,16 +90,18 @@ class RoundingKernels:
 
     def round_into(self, master: torch.Tensor, out: torch.Tensor, rounding: Rounding) -> None:
         """Write fp32 ``master`` into the bf16 tensor ``out`` with ``rounding``."""
-        paired = paired_words.words(master, out) if self.compiled and rounding != "nearest_even" else None
-        if paired is not None:
-            shared(paired_words.round_stochastic if rounding == "stochastic" else paired_words.round_half_away, _GRAPHS)(*paired)
-        elif not self.compiled or rounding != "stochastic":
-            # nearest even is one copy_ already; half away on elements is two eager ops and a narrowing copy_,
-            # faster than Inductor's element loop on this CPU (5.24M elements, one thread: 3.2 ms against
-            # 4.6 ms; benchmarks/results/update-2026-11-28.md, part 4), with the same bits
-            bf16_rounding.round_into(master, out, rounding)
-        else:
-            shared(round_bits, _GRAPHS)(master.view(torch.int32), out)
+        if self.compiled and rounding != "nearest_even":
+            paired = paired_words.words(master, out)
+            if paired is not None:
+                shared(_WORD_ROUNDS[rounding], _GRAPHS)(*paired)
+                return
+            if rounding == "stochastic":
+                shared(round_bits, _GRAPHS)(master.view(torch.int32), out)
+                return
+        # nearest even is one copy_ already; half away on elements is two eager ops and a narrowing copy_,
+        # faster than Inductor's element loop on this CPU (5.24M elements, one thread: 3.2 ms against
+        # 4.6 ms; benchmarks/results/update-2026-11-28.md, part 4), with the same bits
+        bf16_rounding.round_into(master, out, rounding)
 
     def holds_rounding(self, master: torch.Tensor, param: torch.Tensor, rounding: Rounding) -> Optional[bool]:
         """Whether bf16 ``param`` is exactly ``master`` rounded with ``rounding``, in one compiled loop that
@@ -139,8 +144,6 @@ class RoundingKernels:
         if paired is not None:
             master_words, param_words, remainder_words = paired
             shared(paired_words.join, _GRAPHS)(param_words, remainder_words, master_words)
-            return target
-        if out is None:
-            return shared(join_values, _GRAPHS)(param, remainder)
-        shared(join_into, _GRAPHS)(param, remainder, out)
-        return out
+        else:
+            shared(join_into, _GRAPHS)(param, remainder, target)
+        return target
