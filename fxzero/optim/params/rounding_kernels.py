@@ -9,7 +9,7 @@ element in ``tests/test_rounding_kernels.py``, hash included); with ``Config.com
 the step uses these.
 
 **How the loops stay vectorized.** Inductor's CPU code generator vectorizes a loop only if it has
-vectors for every dtype in it (not int16) and falls back to scalar code for a bit cast from float.
+vectors for every dtype in it (not int16: ``tests/test_inductor_cpu_code.py``).
 So where the memory allows (:func:`~.paired_words.words`: even lengths and offsets, the common
 case), the loops see two elements per word (:mod:`.paired_words`): int64 words of fp32 masters,
 int32 words of bf16 params and int16 remainders, all of it int32 and int64 arithmetic, 1.3x to 3x

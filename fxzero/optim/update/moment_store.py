@@ -28,9 +28,10 @@ denominator vanish and blow an update up, whatever the gradients span. 1 + 2/32 
 **Both moments in bf16, compiled** (:class:`PairHalf`, with ``Config.compiled_update``): one int32
 word per element holds the first moment's bf16 bits in its high half and the second's in its low
 half. The compiled update (:mod:`~fxzero.optim.update.fused_run`) then reads and writes both moments
-with integer arithmetic on one word: Inductor's CPU loops convert fp32 to bf16 through an emulated
-rounding that made the update compute-bound (a 2M-element run, timed in one process: two bf16 tensors
-took 3.2x the packed word's time, and the packed word as long as torch's fused fp32 AdamW), while ``bits & 0xFFFF0000`` is already the fp32 value of
+with integer arithmetic on one word: Inductor steps a loop that writes the fp32 master in place 16
+lanes at a time, so it would read and write two bf16 tensors in masked half-vectors
+(``tests/test_inductor_cpu_code.py``; they took 1.7x the packed word's time over 5.24M elements,
+``benchmarks/results/update_limits-2026-11-29.md``), while ``bits & 0xFFFF0000`` is already the fp32 value of
 a bf16 one and the rounding to nearest even is three integer ops. Same bytes (2 per moment and
 element), same values (rounded to nearest even, as ``copy_`` into bf16 does).
 
