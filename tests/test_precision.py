@@ -475,6 +475,33 @@ def test_the_compiled_run_update_compiles_once_per_kinds_and_steps_like_the_eage
         assert compiled["opt"].state_bytes == eager["opt"].state_bytes
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("dtypes", [("fp8", "fp8"), ("bf16", "fp8")], ids="-".join)
+def test_a_run_of_whole_blocks_steps_in_rows_bitwise_like_the_flat_run(dtypes: tuple[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cold Inductor compiles: slow. A run of whole 8-bit blocks steps as rows of one block each
+    (``fused_run._in_rows``: Inductor then writes the master and the codes in one pass); it keeps the flat
+    run's bits, in the master and in every stored byte, with NaN and inf gradients, Adam with maximize too."""
+    from fxzero.optim.update import fused_run
+    from fxzero.optim.update.moment_store import make_stores
+
+    n = 32 * 257
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(n, generator=g) * 10 ** torch.randint(-6, 2, (n,), generator=g).float() for _ in range(4)]
+    grads[2][[5, 77]] = torch.tensor([float("nan"), float("inf")])
+    hypers = [(1e-3, 0.9, 0.999, 1e-8, 0.01, False, True)] * 2 + [(1e-3, 0.9, 0.999, 1e-8, 0.01, True, False)] * 2
+    ends = []
+    for rows in (True, False):
+        if not rows:
+            monkeypatch.setattr(fused_run, "_in_rows", lambda kinds, grad: False)
+        update, master = fused_run.FusedRunUpdate(), torch.randn(n, generator=torch.Generator().manual_seed(0))
+        stores = make_stores(dtypes, n, master.device, paired=True)
+        for step, (grad, hyper) in enumerate(zip(grads, hypers), 1):
+            update(master, grad, *stores, step, hyper)
+        ends.append([master.view(torch.int32)] + [t.view(torch.uint8) for store in stores for t in fused_run._parts(store)])
+    assert all(torch.equal(a, b) for a, b in zip(*ends))
+    assert not bool(ends[0][0].view(torch.float32).isfinite().all())  # the NaN gradient reached the master: compared too
+
+
 def test_both_bf16_moments_packed_in_one_word_keep_what_two_bf16_tensors_keep() -> None:
     """The compiled update's store of two bf16 moments (one int32 word per element) rounds, loads and
     exports exactly as two bf16 tensors (``copy_``: to nearest even, overflow to inf) do."""

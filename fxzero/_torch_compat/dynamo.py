@@ -15,6 +15,7 @@ __all__ = [
     "compile_id",
     "dynamo_input_names",
     "dynamo_runs_eagerly_at_top_level",
+    "mark_static",
     "recompile_limit",
     "register_torch_log",
     "trace_artifact",
@@ -125,3 +126,12 @@ def recompile_limit(limit: int) -> Iterator[None]:
         yield
     finally:
         config.recompile_limit = previous
+
+def mark_static(tensor: Any, dim: int) -> Any:
+    """``tensor``, with dimension ``dim`` a constant in the graphs Dynamo compiles for it, even under
+    ``dynamic=True`` (``torch._dynamo.mark_static``; every supported torch has it). Why: a loop
+    whose inner length is a constant gets a fixed trip count and no tail."""
+    import torch._dynamo
+
+    torch._dynamo.mark_static(tensor, dim)
+    return tensor
