@@ -11,7 +11,8 @@ update apart, on one thread over one run of 5.24M elements, every row paired in 
   costs), and fp32 moments (8 more bytes per element). And the layout without packing: two bf16
   tensors. Inductor steps 16 lanes in a loop that writes the fp32 master in place, so their loads
   and stores are masked half-vectors (``tests/test_inductor_cpu_code.py``), slower than the packing.
-* **fp8 state**: row "decode, update and block maxima only" is one read pass that decodes both
+* **fp8 state**: the update over rows of one block (``fused_run._in_rows``) and over the flat run, as
+  before. Row "decode, update and block maxima only" is one read pass that decodes both
   moments, updates them and takes each block's maximum, writing 8 bytes per 32 elements. Any fp8
   update needs at least that pass; it is compute-bound, far above the bandwidth bound of the
   whole update.
@@ -32,6 +33,7 @@ import torch
 
 from fxzero._torch_compat import foreach_norm
 from fxzero.inductor_function import shared
+from fxzero.optim.update import fused_run
 from fxzero.optim.update.fused_run import FusedRunUpdate
 from fxzero.optim.update.moment_store import BLOCK, HIGH_HALF, BlockStore, RootStore, make_stores
 
@@ -91,6 +93,16 @@ def _fp8_floor(grad: torch.Tensor, m_codes: torch.Tensor, m_exponents: torch.Ten
     maxima[1].copy_(v.sqrt().amax(dim=1))
 
 
+def _flat(update: FusedRunUpdate, *args: object) -> None:
+    """``update`` over the flat run, as before runs of whole blocks stepped as rows (``fused_run._in_rows``)."""
+    in_rows = fused_run._in_rows
+    fused_run._in_rows = lambda kinds, grad: False
+    try:
+        update(*args)
+    finally:
+        fused_run._in_rows = in_rows
+
+
 def _bandwidth(a: torch.Tensor, b: torch.Tensor) -> float:
     """Bytes per second of ``a.add_(b)`` (two reads and a write per element)."""
     start = time.perf_counter()
@@ -106,6 +118,7 @@ def _rows(n: int) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
     update = FusedRunUpdate()
     pair = make_stores(("bf16", "bf16"), n, master.device, paired=True)
     fp8 = make_stores(("fp8", "fp8"), n, master.device, paired=True)
+    fp8_flat = make_stores(("fp8", "fp8"), n, master.device, paired=True)
     bf16_m, bf16_v = torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
     fp32_m, fp32_v = torch.zeros(n), torch.zeros(n)
     plain = torch.rand(n) + 0.5
@@ -120,6 +133,7 @@ def _rows(n: int) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
         "  two bf16 tensors instead (16 lanes, masked)": lambda: shared(_two_bf16, 1)(master, grad, bf16_m, bf16_v, scalars),
         "  fp32 moments, the same pass": lambda: shared(_fp32_moments, 1)(master, grad, fp32_m, fp32_v, scalars),
         "fxzero fp8 run pass (compiled_update)": lambda: update(master, grad, *fp8, 5, HYPER),
+        "  the same over the flat run (before rows)": lambda: _flat(update, master, grad, *fp8_flat, 5, HYPER),
         "  fp8 decode, update and block maxima only": lambda: shared(_fp8_floor, 1)(grad, fp8[0].codes, fp8[0].scales, fp8[1].codes,
                                                                                       fp8[1].scales, scalars, maxima),
         "global grad norm (torch._foreach_norm)": lambda: foreach_norm([grad]),
