@@ -5,17 +5,17 @@ update apart, on one thread over one run of 5.24M elements, every row paired in 
 (median), so the reasons the bf16 and fp8 targets of issue 54 are not met are numbers, not guesses:
 
 * **bf16 state** (``PairHalf``: both moments in one int32 word per element). Its row against three
-  variants of the same loop (wrong values, the same bytes): value conversions where it bit-casts
+  variants of the same loop (wrong values): value conversions where it bit-casts
   (Inductor writes each bit cast as a scalar loop over a stored vector, ``tmpbuf``: does it cost
-  anything?), the words read as fp32 with nothing packed (what the packing arithmetic
-  costs), and fp32 moments (8 more bytes per element). And the layout without packing: two bf16
+  anything?), its bytes with nothing packed (an fp32 tensor in place of the words: what the packing
+  arithmetic costs), and fp32 moments (8 more bytes per element). And the layout without packing: two bf16
   tensors. Inductor steps 16 lanes in a loop that writes the fp32 master in place, so their loads
   and stores are masked half-vectors (``tests/test_inductor_cpu_code.py``), slower than the packing.
 * **fp8 state**: the update over rows of one block (``fused_run._in_rows``) and over the flat run, as
   before. Row "decode, update and block maxima only" is one read pass that decodes both
   moments, updates them and takes each block's maximum, writing 8 bytes per 32 elements. Any fp8
-  update needs at least that pass; it is compute-bound, far above the bandwidth bound of the
-  whole update.
+  update needs at least that pass; on this machine it alone takes longer than the bandwidth bound
+  of the whole update.
 * **The global norm** that ``step()`` measures before the update (it reports it, clips by it and skips a
   non-finite step on it): one more read of the gradients.
 

@@ -127,6 +127,7 @@ def recompile_limit(limit: int) -> Iterator[None]:
     finally:
         config.recompile_limit = previous
 
+
 def mark_static(tensor: Any, dim: int) -> Any:
     """``tensor``, with dimension ``dim`` a constant in the graphs Dynamo compiles for it, even under
     ``dynamic=True`` (``torch._dynamo.mark_static``; every supported torch has it). Why: a loop

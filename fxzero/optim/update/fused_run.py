@@ -7,12 +7,13 @@ run's stored tensors (codes and scales, the fp32 master, the gradient), compiled
 dynamic shapes, so one generated kernel serves every run of a mode and the run's bytes are read and
 written about once.
 
-* **8-bit runs step as rows of one block** where the run is whole blocks (the usual case): the
+* **8-bit runs step as block rows** (rows of one block) where the run is whole blocks (the usual case): the
   master, the gradient and the codes come in as ``(blocks, 32)`` views, the 32 a constant in the
   graph. Inductor then makes two passes over the run, one taking each block's maxima and one
   writing the master and the codes; over the flat run it made three, and wrote each new moment to
-  an fp32 temporary and read it back (fp8 moments: 13.2 ms per 5.24M elements instead of 18.2 ms,
-  one thread, ``benchmarks/update_limits.py``; the same bits, ``tests/test_precision.py``).
+  an fp32 temporary and read it back (fp8 moments, 5.24M elements, one thread, paired: 13.1 ms
+  against 27.4 ms over the flat run, ``benchmarks/update_limits.py``; the same bits,
+  ``tests/test_precision.py``).
 * **Remainders stay out of this loop**: a run with remainders is joined into the step's fp32 scratch
   before and split after (:mod:`~fxzero.optim.params.rounding_kernels`, loops on two elements per
   word). Inside this loop the int16 remainder made Inductor write scalar code for all of it: with
@@ -92,8 +93,8 @@ def _rows(parts: Sequence[torch.Tensor], n: int) -> tuple[torch.Tensor, ...]:
 def _one_per_block(kinds: tuple[str, str], m_parts: Sequence[torch.Tensor], v_parts: Sequence[torch.Tensor]) -> torch.Tensor:
     """1.0 for each row, made from a per-block tensor. Multiplied into the master's update (exact:
     ``x * 1.0`` is ``x``, NaN and signed zero included), it keeps that update in the loop that
-    writes the codes: a pointwise loop that reads nothing per block is flattened by Inductor, and
-    then ran on its own, its step stored to an fp32 temporary and read back."""
+    writes the codes: Inductor flattens a pointwise loop that reads nothing per block, and such a
+    loop runs on its own, after the step is stored to an fp32 temporary to be read back there."""
     scales = m_parts[1] if kinds[0] != "plain" else v_parts[1]
     return (scales.to(torch.int32) * 0 + 1).to(torch.float32).unsqueeze(1)
 
