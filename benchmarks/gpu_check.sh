@@ -15,5 +15,6 @@ step 130 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfE --dura
 step 90 python3 benchmarks/graph_overhead.py --device cuda --steps 40 --ops
 step 60 python3 benchmarks/graph_overhead.py --device cuda --steps 40 --sync-phases
 step 70 torchrun --nproc-per-node 1 examples/train_gpt.py --steps 30 --log-every 5 --overlap
+step 150 python3 benchmarks/update.py --device cuda --skip-drift --skip-world-2 --rounds 11
 step 70 python3 benchmarks/memory.py --world 1 --device cuda --only "DDP gabv + compile" fxzero --steps 4 --png "${OUT:-benchmarks/results}/memory_cuda.png"
 } 2>&1 | tee "$log"

@@ -17,6 +17,7 @@ Two parts, both on this machine's CPU with one thread per rank:
 
     python benchmarks/update.py                  # both parts (~15 min on 2 cores)
     python benchmarks/update.py --skip-drift --rounds 5
+    python benchmarks/update.py --device cuda --skip-drift --skip-world-2   # world 1 on a GPU (benchmarks/gpu_check.sh)
 """
 
 from __future__ import annotations
@@ -137,26 +138,35 @@ def _zero_buffers_in_step(opt: fxzero.DistributedOptimizer) -> None:
     opt.runtime.stale.consumed = lambda present: [b.grad_data.zero_() for b in buckets]
 
 
-def _add_bandwidth() -> float:
+def _sync(device: torch.device) -> None:
+    """Wait for the device's queued work (a CUDA step returns before its kernels end)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _add_bandwidth(device: torch.device) -> float:
     """Bytes per second of ``a.add_(b)`` over 64 MiB operands (two reads and a write per element)."""
-    a, b = torch.ones(16 << 20), torch.ones(16 << 20)
+    a, b = torch.ones(16 << 20, device=device), torch.ones(16 << 20, device=device)
     a.add_(b)
+    _sync(device)
     start = time.perf_counter()
     a.add_(b)
+    _sync(device)
     return 3 * a.nbytes / (time.perf_counter() - start)
 
 
-def _speed_rank(rounds: int, labels: list[str]) -> dict[str, Any]:
+def _speed_rank(rounds: int, labels: list[str], device: str = "cpu") -> dict[str, Any]:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    where = torch.device(device)
     setups = {}
     for label in labels:
         who, dtype, options, _ = SPEED_MODES[label]
         if not who.startswith("fxzero") and world > 1:
             continue
-        model = _speed_model(dtype)
+        model = _speed_model(dtype).to(where)
         setups[label] = (model, _optimizer(who, model, options, 1e-4))
-    x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(32, 1024, generator=torch.Generator().manual_seed(rank)).to(where)
     times: dict[str, list[float]] = {label: [] for label in setups}
     bandwidth = []
     for r in range(rounds + 1):  # round 0 warms up (torchao compiles its step there)
@@ -166,12 +176,14 @@ def _speed_rank(rounds: int, labels: list[str]) -> dict[str, Any]:
             model(x.to(next(model.parameters()).dtype)).float().square().mean().backward()
             if world > 1:
                 dist.barrier()
+            _sync(where)
             start = time.perf_counter()
             opt.step()
+            _sync(where)
             if r:
                 times[label].append(time.perf_counter() - start)
             opt.zero_grad()
-        bandwidth.append(_add_bandwidth())
+        bandwidth.append(_add_bandwidth(where))
     params = sum(p.numel() for p in _speed_model(torch.float32).parameters())
     compiles, seconds = compile_stats()
     return {"compiles": compiles, "compile_s": seconds, "ms": {k: 1e3 * statistics.median(v) for k, v in times.items()},
@@ -330,15 +342,20 @@ def main() -> None:
     parser.add_argument("--skip-drift", action="store_true")
     parser.add_argument("--steps", default="100,300", help="drift checkpoints")
     parser.add_argument("--only", default="", help="comma-separated parts of the labels of the rows to run, speed and drift (default: every row)")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                        help="where the speed part's world 1 runs (cuda: the first GPU; world 2 and the drift stay on the CPU)")
     args = parser.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
     from tabulate import tabulate
 
     torch.set_num_threads(1)
-    print(f"# optimizer update: torch {torch.__version__}, 1 thread per rank, {time.strftime('%Y-%m-%d')}\n")
+    where = "1 thread per rank" if args.device == "cpu" else f"world 1 on {torch.cuda.get_device_name()}"
+    print(f"# optimizer update: torch {torch.__version__}, {where}, {time.strftime('%Y-%m-%d')}\n")
     headers = ["update", "step() ms", "achieved GB/s", "x its bound", "x torch fused"]
     if not args.skip_speed:
         started = time.perf_counter()
-        one = _speed_rank(args.rounds, _picked(SPEED_MODES, args.only))
+        one = _speed_rank(args.rounds, _picked(SPEED_MODES, args.only), args.device)
         print(f"World 1, {one['params'] / 1e6:.2f}M params, torch.add_ {one['bandwidth'] / 1e9:.1f} GB/s in the same rounds, "
               f"median of {args.rounds} paired rounds ({time.perf_counter() - started:.0f} s; compiled_update's Inductor compiles "
               f"{one['compile_s']:.0f} s, once, in round 0, {'cold' if one['compile_s'] > 20 else 'warm (Inductor cache)'}):\n")  # fmt: skip

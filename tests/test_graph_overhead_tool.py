@@ -60,12 +60,14 @@ def test_every_timed_entry_point_is_a_function_fxzero_calls_by_that_name() -> No
 
 def test_the_gpu_check_runs_what_the_readme_says() -> None:
     """The README: gpu_check.sh runs the CUDA tests, graph_overhead on the GPU with --ops and
-    again with --sync-phases, the main job at one rank, and the world-1 memory table."""
+    again with --sync-phases, the main job at one rank, the optimizer update's world-1 speed rows
+    (issue 54's CUDA part), and the world-1 memory table."""
     steps = [line.split(maxsplit=2)[2] for line in (_BENCHMARKS / "gpu_check.sh").read_text().splitlines() if line.startswith("step ")]
     assert steps == [
         "python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfE --durations=5",
         "python3 benchmarks/graph_overhead.py --device cuda --steps 40 --ops",
         "python3 benchmarks/graph_overhead.py --device cuda --steps 40 --sync-phases",
         "torchrun --nproc-per-node 1 examples/train_gpt.py --steps 30 --log-every 5 --overlap",
+        "python3 benchmarks/update.py --device cuda --skip-drift --skip-world-2 --rounds 11",
         'python3 benchmarks/memory.py --world 1 --device cuda --only "DDP gabv + compile" fxzero --steps 4 --png "${OUT:-benchmarks/results}/memory_cuda.png"',
     ]
