@@ -33,6 +33,7 @@ import torch
 
 from fxzero._torch_compat import foreach_norm
 from fxzero.inductor_function import shared
+from fxzero.optim.params.bf16_rounding import nearest_even_bits
 from fxzero.optim.update import fused_run
 from fxzero.optim.update.fused_run import FusedRunUpdate
 from fxzero.optim.update.moment_store import BLOCK, HIGH_HALF, BlockStore, RootStore, make_stores
@@ -52,13 +53,8 @@ def _adam(master: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tenso
 def _pair_without_casts(master: torch.Tensor, grad: torch.Tensor, words: torch.Tensor, scalars: torch.Tensor) -> None:
     """The bf16 pair pass with value conversions where it has bit casts (wrong values, the same integer work)."""
     new, m, v = _adam(master, grad, (words & HIGH_HALF).float(), (words << 16).float(), scalars)
-    words.copy_(_nearest_bf16_of_bits(m.to(torch.int32)) | ((_nearest_bf16_of_bits(v.to(torch.int32)) >> 16) & 0xFFFF))
+    words.copy_(nearest_even_bits(m.to(torch.int32)) | ((nearest_even_bits(v.to(torch.int32)) >> 16) & 0xFFFF))
     master.copy_(new)
-
-
-def _nearest_bf16_of_bits(bits: torch.Tensor) -> torch.Tensor:
-    """:func:`~fxzero.optim.update.moment_store.nearest_bf16_bits` on int32 bits already (no cast)."""
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) & HIGH_HALF
 
 
 def _pair_bytes_only(master: torch.Tensor, grad: torch.Tensor, words: torch.Tensor, scalars: torch.Tensor) -> None:

@@ -26,7 +26,7 @@ from typing import Literal, Optional
 
 import torch
 
-__all__ = ["ROUNDINGS", "Rounding", "hash16", "join", "round_into", "split"]
+__all__ = ["ROUNDINGS", "Rounding", "hash16", "join", "nearest_even_bits", "round_into", "split"]
 
 Rounding = Literal["nearest_even", "half_away", "stochastic"]
 ROUNDINGS = ("nearest_even", "half_away", "stochastic")
@@ -63,6 +63,14 @@ def join(param: torch.Tensor, remainder: torch.Tensor, out: Optional[torch.Tenso
         high = out.view(torch.int32)
         high.copy_(param.view(torch.int16))
     return high.bitwise_left_shift_(16).add_(remainder).view(torch.float32)
+
+
+def nearest_even_bits(bits: torch.Tensor) -> torch.Tensor:
+    """fp32 bit patterns (int32, or int64 lanes whose low 32 bits are one) rounded to bf16 to nearest
+    even, as bits with the low half zero: c10's ``round_to_nearest_even``, what ``copy_`` into bf16
+    does to a finite or infinite value, in integer arithmetic (compiled loops have no bf16 to round to
+    without a masked half-vector)."""
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
 
 
 def hash16(bits: torch.Tensor) -> torch.Tensor:

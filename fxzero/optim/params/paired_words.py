@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from .bf16_rounding import hash16
+from .bf16_rounding import hash16, nearest_even_bits
 
 __all__ = ["differs_half_away", "differs_nearest_even", "differs_stochastic", "join", "round_half_away", "round_stochastic", "split", "words"]
 
@@ -93,16 +93,11 @@ def differs_half_away(master_words: torch.Tensor, param_words: torch.Tensor) -> 
     return torch.ne(_rounded(master_words, stochastic=False), param_words).any()
 
 
-def _nearest_even(bits: torch.Tensor) -> torch.Tensor:
-    """``copy_``'s rounding to bf16 of a finite or infinite fp32 (c10's ``round_to_nearest_even``)."""
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) & _HIGH
-
-
 def differs_nearest_even(master_words: torch.Tensor, param_words: torch.Tensor) -> torch.Tensor:
     """Whether any param differs from ``copy_``'s rounding of its master (nothing written). A NaN
     master's param is any NaN: ``copy_`` writes 0xFFFF in its vector loop and 0x7FC0 in its scalar one."""
     even, odd = _elements(master_words)
-    differ = _pack(_nearest_even(even), _nearest_even(odd)) ^ param_words
+    differ = _pack(nearest_even_bits(even), nearest_even_bits(odd)) ^ param_words
     nan_even = ((even & 0x7FFFFFFF) > 0x7F800000) & ((param_words & 0x7FFF) > 0x7F80)
     nan_odd = ((odd & 0x7FFFFFFF) > 0x7F800000) & (((param_words >> 16) & 0x7FFF) > 0x7F80)
     return ((((differ & _LOW16) != 0) & ~nan_even) | (((differ >> 16) != 0) & ~nan_odd)).any()

@@ -81,7 +81,7 @@ def _in_rows(kinds: tuple[str, str], grad: torch.Tensor) -> bool:
     whole blocks only. Why rows: Inductor then writes the master, the codes and the per-block
     maxima from loops over the same rows, one pass to take the maxima and one to write; over the
     flat run it also wrote each new moment to an fp32 temporary and read it back to encode it."""
-    return "pair" not in kinds and kinds != ("plain", "plain") and grad.numel() % BLOCK == 0 and grad.numel() > 0
+    return ("block" in kinds or "root" in kinds) and grad.numel() % BLOCK == 0 and grad.numel() > 0
 
 
 def _rows(parts: Sequence[torch.Tensor], n: int) -> tuple[torch.Tensor, ...]:

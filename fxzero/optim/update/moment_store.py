@@ -46,6 +46,8 @@ from typing import Protocol
 
 import torch
 
+from ..params.bf16_rounding import nearest_even_bits
+
 __all__ = ["BLOCK", "HIGH_HALF", "MomentStore", "PairHalf", "STATE_DTYPES", "make_stores", "moment_nbytes", "nearest_bf16_bits"]
 
 BLOCK = 32
@@ -186,8 +188,7 @@ HIGH_HALF = -65536
 def nearest_bf16_bits(values: torch.Tensor) -> torch.Tensor:
     """fp32 ``values`` rounded to bf16, to nearest even, as int32 bits with the low half zero (the
     fp32 value of the bf16 one): ``copy_`` into bf16 in integer arithmetic (overflow to inf and NaN included)."""
-    bits = values.view(torch.int32)
-    return (bits + 0x7FFF + ((bits >> 16) & 1)) & HIGH_HALF
+    return nearest_even_bits(values.view(torch.int32))
 
 
 class PairHalf:
