@@ -42,6 +42,7 @@ MODES: dict[str, dict[str, Any]] = {
     "remainders, bf16 state": {"param_remainders": True, "optimizer_state_dtype": "bf16"},
     "stochastic rounding": {"param_rounding": "stochastic"},
     "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
+    "fp8 state, compiled update": {"optimizer_state_dtype": "fp8", "compiled_update": True},
     "remainders, bf16 state, compiled update": {"param_remainders": True, "optimizer_state_dtype": "bf16", "compiled_update": True},
     "stochastic rounding, compiled update": {"param_rounding": "stochastic", "compiled_update": True},
     "remainders, fused": {"param_remainders": True, "flags": {"fused": True}},  # "flags": the optimizer's, not the Config's
@@ -250,7 +251,7 @@ def test_other_classes_and_unsupported_flags_are_refused_naming_the_option() -> 
 
 
 @pytest.mark.parametrize("label", ["bf16 state", "fp8 state", "remainders", "stochastic rounding", "bf16 state, compiled update",
-                                   "remainders, bf16 state, compiled update", "stochastic rounding, compiled update",
+                                   "fp8 state, compiled update", "remainders, bf16 state, compiled update", "stochastic rounding, compiled update",
                                    "remainders, fused"])  # fmt: skip
 def test_every_mode_resumes_bitwise_from_a_checkpoint(label: str, tmp_path: Any) -> None:
     """A 4-step run saves after step 2 (``fxzero.save_checkpoint`` and ``opt.state_dict()``); a fresh
@@ -296,7 +297,7 @@ def test_state_loads_across_modes_rounding_only_what_the_narrower_mode_cannot_ke
     # bf16: half an ulp of each element; 8-bit: within its block's scale (relative ~2^-4, the
     # second moment's root rounded up one code: ~2^-3, squared), small elements to 2^-9 of the largest
     for label, relative, floor in (("bf16 state", 2**-8, 0.0), ("fp8 state", 0.27, 2**-9), ("remainders", 0.0, 0.0),
-                                   ("bf16 state, compiled update", 2**-8, 0.0)):  # fmt: skip
+                                   ("bf16 state, compiled update", 2**-8, 0.0), ("fp8 state, compiled update", 0.27, 2**-9)):  # fmt: skip
         model = copy.deepcopy(source["model"])
         opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model,
                                           config=fxzero.Config(bucket_size=2000, **MODES[label]))  # fmt: skip
@@ -326,6 +327,7 @@ COMPILED = {  # label -> options; the same compiled graphs serve every run (runs
     "remainders, compiled update": {"param_remainders": True, "compiled_update": True},
     "half_away, compiled update": {"param_rounding": "half_away", "compiled_update": True},
     "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
+    "fp8 state, compiled update": {"optimizer_state_dtype": "fp8", "compiled_update": True},
     "half_away, fused": {"param_rounding": "half_away", "flags": {"fused": True}},
     "remainders, fused": {"param_remainders": True, "flags": {"fused": True}},
 }
@@ -352,7 +354,7 @@ def _check_modes(runs: dict[str, Any]) -> None:
     assert _same(runs["remainders"], runs["half_away"]) and _same(runs["remainders, compiled update"], runs["half_away"])
     assert _same(runs["half_away, compiled update"], runs["half_away"])  # word loops: publish and the watch check
     assert _same(runs["remainders, fused"], runs["half_away, fused"])
-    for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5), ("bf16 state, compiled update", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
+    for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5), ("bf16 state, compiled update", 1.5), ("fp8 state, compiled update", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
         assert _drift(runs[label], runs["fp32"]) < bound * STEPS, (label, _drift(runs[label], runs["fp32"]))
     # MXFP8 params: the comparison's resolution is one E4M3 code of the largest weight (3 mantissa bits:
     # 2^-4 for weights in [0.5, 1), 6.25 lr), which a narrow moment's rounding may flip
@@ -439,12 +441,12 @@ def _family_run(name: str, options: dict[str, Any], accumulate: int = 1) -> list
 def test_model_families_keep_remainders_bitwise_and_train_with_narrow_state(name: str) -> None:
     """A conv net, adapters and experts picked in Python, a partly frozen MLP, and Hugging Face's GPT-2 with
     its default dropout (tied embeddings), with gradient accumulation under ``no_sync``; with and without
-    ``compiled_update`` (its remainders bitwise too, its packed bf16 moments within the same bound)."""
+    ``compiled_update`` (its remainders bitwise too, its packed bf16 moments and its fp8 block rows within the same bound)."""
     half_away = _family_run(name, {"param_rounding": "half_away"}, accumulate=2)
     assert all(torch.equal(a, b) for a, b in zip(half_away, _family_run(name, {"param_remainders": True}, accumulate=2)))
     compiled = _family_run(name, {"param_remainders": True, "compiled_update": True}, accumulate=2)
     assert all(torch.equal(a, b) for a, b in zip(half_away, compiled))
-    for dtype, options in (("bf16", {}), ("fp8", {}), ("bf16", {"compiled_update": True})):
+    for dtype, options in (("bf16", {}), ("fp8", {}), ("bf16", {"compiled_update": True}), ("fp8", {"compiled_update": True})):
         narrow = _family_run(name, {"optimizer_state_dtype": dtype, "param_remainders": True, **options}, accumulate=2)
         assert all(bool(p.isfinite().all()) for p in narrow)
         assert max(float((a - b).abs().max()) for a, b in zip(narrow, half_away)) < 1.5 * 3 * LR, (name, dtype)
