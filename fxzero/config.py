@@ -245,7 +245,9 @@ class Config:
       eager ops' bits: remainders stay bitwise the half-away fp32-master run; so does the per-step
       check that bf16 params still hold their masters' rounding (writes from outside the optimizer).
 
-    fp32 state keeps torch.optim's update (bitwise the wrapped class)."""
+    Stochastic rounding's loops are compiled without this flag too: they give the eager ops' bits, which
+    cost 3.6x a nearest-even step (:mod:`fxzero.optim.params.rounding_kernels`; where Inductor cannot
+    build them, a warning and the eager ops). fp32 state keeps torch.optim's update (bitwise the wrapped class)."""
 
     param_remainders: bool = False
     """Keep no fp32 master for bf16 params: the bf16 param holds its high 16 bits and an int16

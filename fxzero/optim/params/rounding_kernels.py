@@ -8,6 +8,15 @@ answer, so Inductor's single loop gives the eager chain's bits exactly (checked 
 element in ``tests/test_rounding_kernels.py``, hash included); with ``Config.compiled_update``
 the step uses these.
 
+**Stochastic rounding is compiled whatever ``compiled_update`` says.** Its hash is seven eager ops,
+and the step runs it twice (to round, and to check that the params still hold the rounding), so
+eagerly a stochastic step cost 3.6x a nearest-even one (``benchmarks/update.py``, 2026-11-29); its
+loops give the eager bits, so compiling them changes no number. The one compile (seconds) falls in
+the first ``step()``. Where Inductor cannot build them (no C++ compiler, an ``inner_compiler="eager"``
+setup), the first failure is logged as a warning and the step runs the eager ops from then on (the
+same bits, at their cost); under ``compiled_update=True`` a failure raises, as every other compile
+of the update does.
+
 **How the loops stay vectorized.** Inductor's CPU code generator vectorizes a loop only if it has
 vectors for every dtype in it (not int16: ``tests/test_inductor_cpu_code.py``).
 So where the memory allows (:func:`~.paired_words.words`: even lengths and offsets, the common
@@ -26,7 +35,8 @@ either way. The word loops convert nothing and keep every payload.
 
 from __future__ import annotations
 
-from typing import Optional
+import logging
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -35,6 +45,8 @@ from . import bf16_rounding, paired_words
 from .bf16_rounding import Rounding
 
 __all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "rounding_differs", "split_in_place"]
+
+log = logging.getLogger(__name__)
 
 _HALF = 0x8000
 _HIGH = -65536  # 0xFFFF0000 as an int32
@@ -83,20 +95,42 @@ _GRAPHS = 8
 
 class RoundingKernels:
     """:func:`~.bf16_rounding.round_into`, :func:`~.bf16_rounding.split` and :func:`~.bf16_rounding.join`,
-    eager (``compiled=False``) or as one Inductor-generated loop each, with the same bits."""
+    eager (``compiled=False``) or as one Inductor-generated loop each, with the same bits; stochastic
+    rounding's loops compiled either way (see the module docstring)."""
 
-    def __init__(self, compiled: bool) -> None:
+    def __init__(self, compiled: bool, *, stochastic_compiled: bool = True) -> None:
         self.compiled = compiled
+        self.stochastic_compiled = stochastic_compiled
+        """Whether stochastic rounding runs its compiled loops without ``compiled``: until Inductor fails
+        to build one (then the eager ops, for good). ``False`` gives the eager ops (the tests' reference)."""
+
+    def _compiles(self, rounding: Rounding) -> bool:
+        return self.compiled or (rounding == "stochastic" and self.stochastic_compiled)
+
+    def _call(self, fn: Callable[..., Any], *args: torch.Tensor) -> tuple[bool, Any]:
+        """``(True, fn(*args))`` compiled; ``(False, None)`` where the compile of stochastic rounding's
+        loop failed without ``compiled`` (logged once: the caller runs the eager ops, the same bits)."""
+        try:
+            return True, shared(fn, _GRAPHS)(*args)
+        except Exception as error:  # a compile that failed, whatever its kind: the eager ops give these bits
+            if self.compiled:
+                raise
+            self.stochastic_compiled = False
+            log.warning(
+                "fxzero: stochastic rounding's compiled loop could not be built (%s: %s); the step runs the eager ops "
+                "from now on: the same bits, about 3x the cost of a nearest-even step (set up a C++ compiler for "
+                "Inductor to get the loop)", type(error).__name__, error,
+            )
+            return False, None
 
     def round_into(self, master: torch.Tensor, out: torch.Tensor, rounding: Rounding) -> None:
         """Write fp32 ``master`` into the bf16 tensor ``out`` with ``rounding``."""
-        if self.compiled and rounding != "nearest_even":
+        if self._compiles(rounding) and rounding != "nearest_even":
             paired = paired_words.words(master, out)
             if paired is not None:
-                shared(_WORD_ROUNDS[rounding], _GRAPHS)(*paired)
-                return
-            if rounding == "stochastic":
-                shared(round_bits, _GRAPHS)(master.view(torch.int32), out)
+                if self._call(_WORD_ROUNDS[rounding], *paired)[0]:
+                    return
+            elif rounding == "stochastic" and self._call(round_bits, master.view(torch.int32), out)[0]:
                 return
         # nearest even is one copy_ already; half away on elements is two eager ops and a narrowing copy_,
         # faster than Inductor's element loop on this CPU (5.24M elements, one thread: 3.2 ms against
@@ -109,14 +143,16 @@ class RoundingKernels:
         word loop for every rounding (a NaN master's param may be any NaN under nearest even), the element
         loop for stochastic rounding (its hash is the costly part); ``None`` otherwise (the caller rounds
         and compares)."""
-        if not self.compiled:
+        if not self._compiles(rounding):
             return None
         paired = paired_words.words(master, param)
         if paired is not None:
-            return not bool(shared(_DIFFERS[rounding], _GRAPHS)(*paired))
-        if rounding != "stochastic":
+            done, differs = self._call(_DIFFERS[rounding], *paired)
+        elif rounding == "stochastic":
+            done, differs = self._call(rounding_differs, master.view(torch.int32), param)
+        else:
             return None
-        return not bool(shared(rounding_differs, _GRAPHS)(master.view(torch.int32), param))
+        return not bool(differs) if done else None
 
     def split_consuming(self, master: torch.Tensor, param: torch.Tensor, remainder: torch.Tensor) -> None:
         """fp32 ``master`` -> bf16 ``param`` (half away) and int16 ``remainder``, with ``master``'s memory
