@@ -58,6 +58,18 @@ def _parts(store: MomentStore) -> tuple[torch.Tensor, ...]:
     return (store.codes, store.scales)  # type: ignore[union-attr]
 
 
+def _span_parts(store: MomentStore, start: int, stop: int) -> Optional[tuple[torch.Tensor, ...]]:
+    """``store``'s parts for elements ``start:stop`` of its run; ``None`` where that cuts an 8-bit
+    block (its scale would be taken over elements the stretch does not update)."""
+    parts = _parts(store)
+    if isinstance(store, (PairHalf, PlainStore)):
+        return tuple(t[start:stop] for t in parts)
+    if start % BLOCK or (stop % BLOCK and stop != store.numel):  # type: ignore[union-attr]
+        return None
+    codes, scales = parts
+    return codes[start : start + -(-(stop - start) // BLOCK) * BLOCK], scales[start // BLOCK : -(-stop // BLOCK)]
+
+
 def _decode(kind: str, parts: Sequence[torch.Tensor], n: int) -> torch.Tensor:
     """The moment's fp32 values: in rows of blocks where the run comes in rows (:func:`_in_rows`)."""
     if kind == "plain":
@@ -164,9 +176,17 @@ class FusedRunUpdate:
         """Seconds those compiles took."""
         return self._compiled.compile_seconds
 
+    @staticmethod
+    def takes(exp_avg: MomentStore, exp_avg_sq: MomentStore, start: int, stop: int) -> bool:
+        """Whether elements ``start:stop`` of a run can step alone (a stretch of a run some of whose
+        fragments have no gradient): not where they cut an 8-bit block."""
+        return _span_parts(exp_avg, start, stop) is not None and _span_parts(exp_avg_sq, start, stop) is not None
+
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: MomentStore, exp_avg_sq: MomentStore, step: int,
-                 hyper: tuple) -> None:  # fmt: skip
-        """Step the run's fp32 ``master`` (its params, or the scratch its remainders were joined into)."""
+                 hyper: tuple, span: Optional[tuple[int, int]] = None) -> None:  # fmt: skip
+        """Step the run's fp32 ``master`` (its params, or the scratch its remainders were joined into);
+        with ``span``, only elements ``span[0]:span[1]`` of the run (``master`` and ``grad`` are theirs:
+        see :meth:`takes`)."""
         lr, beta1, beta2, eps, weight_decay, maximize, decoupled = hyper
         key = (hyper, step, master.device)  # everything the scalars are made of: the runs of a step share them
         if key != self._key or self._scalars is None:
@@ -174,7 +194,11 @@ class FusedRunUpdate:
             self._scalars = torch.tensor(values, dtype=torch.float32, device=master.device)
             self._key = key
         flags = (bool(decoupled), bool(maximize), weight_decay != 0)
-        kinds, m_parts, v_parts = (_kind(exp_avg), _kind(exp_avg_sq)), _parts(exp_avg), _parts(exp_avg_sq)
+        kinds = (_kind(exp_avg), _kind(exp_avg_sq))
+        if span is None:
+            m_parts, v_parts = _parts(exp_avg), _parts(exp_avg_sq)
+        else:
+            m_parts, v_parts = _span_parts(exp_avg, *span), _span_parts(exp_avg_sq, *span)  # type: ignore[assignment]
         if _in_rows(kinds, grad):
             n = grad.numel()
             (master, grad), m_parts, v_parts = _rows((master, grad), n), _rows(m_parts, n), _rows(v_parts, n)

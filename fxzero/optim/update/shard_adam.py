@@ -13,7 +13,10 @@ when one is set (any other class with one is refused at construction, naming the
 (:func:`~fxzero.optim.update.flat_update.plan_runs`), and each run is one tensor per moment:
 the update is a handful of torch ops per run, not per param. Step counts are per fragment,
 as torch keeps them per param: a step that hides some fragments (they got no gradient) steps
-the others of their run one by one, and their counts then differ.
+the rest of their run as stretches (adjacent fragments with a gradient and the same count, one
+tensor each: compiled too, where a stretch cuts no 8-bit block), and their counts then differ.
+Only the runs holding a hidden fragment step so, not the rest of its param group
+(``tests/test_run_stretches.py``).
 
 **The same bits as torch.** Each update is ``torch.optim.adam._single_tensor_adam``'s
 sequence of ops on fp32 values (lerp, mul/addcmul, Python-float bias corrections, addcdiv),
@@ -53,6 +56,7 @@ UNSUPPORTED_FLAGS = ("amsgrad", "capturable", "differentiable", "fused")
 """Adam options fxzero's own update does not implement: refused, naming the flag (``fused`` is
 implemented with remainders and fp32 moments: :mod:`.torch_fused`)."""
 _GRAD = operator.attrgetter("grad")
+_NO_RUNS: frozenset[int] = frozenset()
 
 
 @dataclasses.dataclass(eq=False)
@@ -138,11 +142,20 @@ class ShardAdamW(torch.optim.Optimizer):
             if not params:
                 continue
             hyper = _hyper(group, self.decoupled, allowed=self._allowed)
-            whole = None not in list(map(_GRAD, params))
+            hidden = self._hidden_runs(params)
             step_run = self._step_run_fused if group.get("fused") else self._step_run
             for r in self._runs_of(params):
-                step_run(self._runs[r], hyper, whole)
+                step_run(self._runs[r], hyper, r not in hidden)
         return loss
+
+    def _hidden_runs(self, params: list[torch.Tensor]) -> frozenset[int]:
+        """The runs holding a param of ``params`` without a gradient this step (one C-level scan when
+        every param has one): the others step whole, so a frozen layer or an unpicked expert holds back
+        only its own run."""
+        grads = list(map(_GRAD, params))
+        if None not in grads:
+            return _NO_RUNS
+        return frozenset(self._where[id(p)][0] for p, g in zip(params, grads) if g is None)
 
     def _runs_of(self, params: list[torch.Tensor]) -> list[int]:
         """The runs ``params`` covers, cached by the list itself: it is this optimizer's own group list
@@ -157,28 +170,55 @@ class ShardAdamW(torch.optim.Optimizer):
 
     def _step_run(self, rs: _RunState, hyper: tuple, whole: bool) -> None:
         """Update run ``rs``: as one tensor when every fragment steps and their counts agree (the
-        common case), else fragment by fragment (a hidden one keeps its values and count)."""
+        common case), else stretch by stretch (:meth:`_stretches`: a hidden fragment keeps its values
+        and count), compiled where the stores can be cut there (:meth:`FusedRunUpdate.takes`)."""
         steps = rs.steps
         master = rs.master(self.kernels)
-        if self.fused is not None and whole and steps.count(steps[0]) == len(steps):
-            self.fused(master, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper)
-            rs.steps = [steps[0] + 1] * len(steps)
-            rs.keep_master(master, self.kernels)
-            return
-        m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
-        reuse = rs.grad.dtype == torch.float32  # the consumed gradient holds the denominator (see _adam)
         if whole and steps.count(steps[0]) == len(steps):
-            _adam(master, rs.grad, m, v, steps[0] + 1, hyper, reuse)
+            if self.fused is not None:
+                self.fused(master, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper)
+            else:
+                m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
+                _adam(master, rs.grad, m, v, steps[0] + 1, hyper, rs.grad.dtype == torch.float32)
+                rs.exp_avg.save(m)
+                rs.exp_avg_sq.save(v)
             rs.steps = [steps[0] + 1] * len(steps)
         else:
-            for k, index in enumerate(rs.run.fragments):
-                if self.fragments[index].param.grad is not None:
-                    steps[k] += 1
-                    at = rs.spans[k]
-                    _adam(master[at], rs.grad[at], m[at], v[at], steps[k], hyper, reuse)
-        rs.exp_avg.save(m)
-        rs.exp_avg_sq.save(v)
+            self._step_stretches(rs, master, hyper)
         rs.keep_master(master, self.kernels)
+
+    def _stretches(self, rs: _RunState) -> list[tuple[int, int, int]]:
+        """``(start, stop, step)``: the run's stretches of adjacent fragments that have a gradient and
+        the same count, each stepped as one tensor (the same bits as fragment by fragment: the update
+        is elementwise), and the count each steps to."""
+        stretches: list[tuple[int, int, int]] = []
+        for k, index in enumerate(rs.run.fragments):
+            if self.fragments[index].param.grad is None:
+                continue
+            at, step = rs.spans[k], rs.steps[k] + 1
+            if stretches and stretches[-1][1] == at.start and stretches[-1][2] == step:
+                stretches[-1] = (stretches[-1][0], at.stop, step)
+            else:
+                stretches.append((at.start, at.stop, step))
+        return stretches
+
+    def _step_stretches(self, rs: _RunState, master: torch.Tensor, hyper: tuple) -> None:
+        stretches = self._stretches(rs)
+        if not stretches:
+            return
+        if self.fused is not None and all(self.fused.takes(rs.exp_avg, rs.exp_avg_sq, lo, hi) for lo, hi, _ in stretches):
+            for lo, hi, step in stretches:
+                self.fused(master[lo:hi], rs.grad[lo:hi], rs.exp_avg, rs.exp_avg_sq, step, hyper, span=(lo, hi))
+        else:
+            m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
+            reuse = rs.grad.dtype == torch.float32  # the consumed gradient holds the denominator (see _adam)
+            for lo, hi, step in stretches:
+                _adam(master[lo:hi], rs.grad[lo:hi], m[lo:hi], v[lo:hi], step, hyper, reuse)
+            rs.exp_avg.save(m)
+            rs.exp_avg_sq.save(v)
+        for k, index in enumerate(rs.run.fragments):
+            if self.fragments[index].param.grad is not None:
+                rs.steps[k] += 1
 
     def _step_run_fused(self, rs: _RunState, hyper: tuple, whole: bool) -> None:
         """Update run ``rs`` with torch's fused kernel, fragment by fragment (:mod:`.torch_fused`)."""
