@@ -50,6 +50,10 @@ def test_a_stretch_steps_with_the_bits_of_a_run_of_its_own_and_the_rest_is_untou
         assert torch.equal(master[lo:hi].view(torch.int32), own_master.view(torch.int32))
         assert all(torch.equal(a.export(), b.export()[lo:hi]) for a, b in zip(own, stores))
         assert _stored(own)[0].numel() > 0 and not torch.equal(own_master, master[lo:hi] * 0)
+    compiles = update.compiles
+    for lo, hi in stretches:  # a next step: the stretches' graphs again (views with an offset), no recompile
+        update(master[lo:hi], grad[lo:hi], *stores, 3, HYPER, span=(lo, hi))
+    assert update.compiles == compiles
     now = [master[64:96]] + [store.export()[64:96] for store in stores]
     assert all(torch.equal(a, b) for a, b in zip(hidden, now))
 
