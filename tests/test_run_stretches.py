@@ -28,9 +28,10 @@ def _stored(stores: tuple[Any, Any]) -> list[torch.Tensor]:
     return [t.view(torch.uint8) for store in stores for t in fused_run._parts(store)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtypes", [("bf16", "bf16"), ("fp8", "fp8"), ("fp32", "fp8"), ("bf16", "fp8")], ids="-".join)
 def test_a_stretch_steps_with_the_bits_of_a_run_of_its_own_and_the_rest_is_untouched(dtypes: tuple[str, str]) -> None:
-    """Fragments of 64, 32 and 97 elements, the middle one hidden: the two stretches step in place
+    """Cold Inductor compiles (rows and flat graphs of four kinds, 31 s cold on this CPU): slow. Fragments of 64, 32 and 97 elements, the middle one hidden: the two stretches step in place
     with the bits of two runs of their own (the same values in), master and every stored byte; the
     hidden elements' master and moments stay as they were (their 8-bit block is not re-encoded)."""
     n, stretches = 193, [(0, 64), (96, 193)]
