@@ -203,6 +203,8 @@ class ShardAdamW(torch.optim.Optimizer):
         return stretches
 
     def _step_stretches(self, rs: _RunState, master: torch.Tensor, hyper: tuple) -> None:
+        """Step the stretches of run ``rs``: compiled when every one can step alone (the stores are cut at
+        its ends, no 8-bit block is shared with a hidden fragment), else eagerly over the run's loaded moments."""
         stretches = self._stretches(rs)
         if not stretches:
             return
