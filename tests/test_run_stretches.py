@@ -67,7 +67,7 @@ def test_a_stretch_that_cuts_an_8_bit_block_is_not_taken(start: int, stop: int, 
     assert fused_run.FusedRunUpdate.takes(*make_stores(("bf16", "bf16"), n, torch.device("cpu"), paired=True), start, stop)
 
 
-def _train(groups: str, spans: list, monkeypatch: pytest.MonkeyPatch, steps: int = 6) -> list[torch.Tensor]:
+def _train(groups: str, spans: list, monkeypatch: pytest.MonkeyPatch, compiled: bool, steps: int = 6) -> list[torch.Tensor]:
     """``mlp_branch`` (its ``extra`` layer gets a gradient on every third step) with bf16 moments and
     ``compiled_update``: one param group, or ``extra`` in a group of its own."""
     call = fused_run.FusedRunUpdate.__call__
@@ -83,26 +83,28 @@ def _train(groups: str, spans: list, monkeypatch: pytest.MonkeyPatch, steps: int
     split = [{"params": params[: -len(extra)]}, {"params": list(model.extra.parameters())}]
     opt = fxzero.DistributedOptimizer(params if groups == "one" else split, torch.optim.AdamW, lr=1e-2, module=model,
                                       config=fxzero.Config(optimizer_state_dtype="bf16", compiled_update=True))  # fmt: skip
+    forward = torch.compile(model, backend="fxzero") if compiled else model  # Inductor, the default inner compiler
     for step in range(steps):
         x, y = batch("mlp_branch", step, 8)
         used = forward_kwargs("mlp_branch", step)["use_extra"]
         before = [p.detach().clone() for p in model.extra.parameters()]
-        loss_fn("mlp_branch", model(x, use_extra=used), y).backward()
+        loss_fn("mlp_branch", forward(x, use_extra=used), y).backward()
         opt.step()
         opt.zero_grad()
         assert used or all(torch.equal(a, b) for a, b in zip(before, model.extra.parameters())), step  # hidden: kept
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "inductor"])
 def test_a_layer_without_gradient_holds_back_only_its_stretch_and_the_params_are_those_of_a_group_of_its_own(
-    monkeypatch: pytest.MonkeyPatch,
+    compiled: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``extra`` in the one param group: the steps it misses step the rest of its run as stretches under
     the compiled update (no fragment-by-fragment eager update), and every param ends bitwise where it
     ends with ``extra`` in a group of its own (the bf16 update is elementwise: a run's layout changes no bit)."""
     spans: list = []
-    one = _train("one", spans, monkeypatch)
+    one = _train("one", spans, monkeypatch, compiled)
     assert any(span is not None for span in spans)
     spans.clear()
-    split = _train("split", spans, monkeypatch)
+    split = _train("split", spans, monkeypatch, compiled)
     assert all(torch.equal(a, b) for a, b in zip(one, split))

@@ -187,7 +187,9 @@ HIGH_HALF = -65536
 
 def nearest_bf16_bits(values: torch.Tensor) -> torch.Tensor:
     """fp32 ``values`` rounded to bf16, to nearest even, as int32 bits with the low half zero (the
-    fp32 value of the bf16 one): ``copy_`` into bf16 in integer arithmetic (overflow to inf and NaN included)."""
+    fp32 value of the bf16 one): ``copy_`` into bf16 in integer arithmetic, overflow to inf included. A NaN
+    stays a NaN unless its low 16 bits carry into the sign bit (bits 0x7FFF8000 and up, or 0xFFFF8000 and
+    up: they become a zero; arithmetic makes no such NaN, only a payload written by hand does)."""
     return nearest_even_bits(values.view(torch.int32))
 
 
