@@ -231,10 +231,10 @@ class Config:
     """How Adam's second moment is kept (Megatron-LM's ``--exp-avg-sq-dtype``); ``None``: as
     ``optimizer_state_dtype`` says."""
 
-    compiled_update: bool = False
+    compiled_update: Optional[bool] = None
     """Compile fxzero's own per-run work with Inductor instead of running it as an eager chain of
-    torch ops; the compiles are paid once per process (seconds with Inductor's cache warm, tens of
-    seconds cold on a CPU):
+    torch ops, once per process (seconds with Inductor's cache warm, 10-20 s cold on a CPU, in the
+    first ``step()``):
 
     * narrow moments (``bf16``/``fp8`` in ``optimizer_state_dtype``, ``exp_avg_dtype`` or
       ``exp_avg_sq_dtype``) step with one generated pass per run of the shard
@@ -245,9 +245,11 @@ class Config:
       eager ops' bits: remainders stay bitwise the half-away fp32-master run; so does the per-step
       check that bf16 params still hold their masters' rounding (writes from outside the optimizer).
 
-    Stochastic rounding's loops are compiled without this flag too: they give the eager ops' bits, which
-    cost 3.6x a nearest-even step (:mod:`fxzero.optim.params.rounding_kernels`; where Inductor cannot
-    build them, a warning and the eager ops). fp32 state keeps torch.optim's update (bitwise the wrapped class)."""
+    ``None`` (the default) compiles, and where Inductor cannot (no C++ compiler for the CPU, no Triton
+    for the GPU) logs one warning and runs the eager ops from then on; ``True`` compiles and raises
+    where it cannot; ``False`` runs the eager ops (in one run of ``benchmarks/update.py`` on one CPU
+    thread, 3.1x the compiled step with bf16 moments, 7.9x with fp8 ones, 1.5x with remainders:
+    docs/precision.md). fp32 state keeps torch.optim's update (bitwise the wrapped class) whatever this says."""
 
     param_remainders: bool = False
     """Keep no fp32 master for bf16 params: the bf16 param holds its high 16 bits and an int16
@@ -279,10 +281,12 @@ class Config:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (math.isfinite(timeout) and timeout > 0):
             raise ValueError(f"Config.state_dict_timeout must be a finite number of seconds > 0, got {timeout!r}")
         flags = ("overlap_param_gather", "overlap_param_gather_with_optimizer_step", "pad_for_high_busbw", "mxfp8_param_gather", "reuse_grad_buf_for_mxfp8_param_ag", "init_sync",
-                 "broadcast_buffers", "param_remainders", "compiled_update", "measure_grad_norm")
+                 "broadcast_buffers", "param_remainders", "measure_grad_norm")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"Config.{name} must be a bool, got {getattr(self, name)!r}")
+        if self.compiled_update is not None and not isinstance(self.compiled_update, bool):
+            raise TypeError(f"Config.compiled_update must be None (compile, eager where Inductor cannot), True or False, got {self.compiled_update!r}")
         if self.reuse_grad_buf_for_mxfp8_param_ag and not self.mxfp8_param_gather:
             raise ValueError(
                 "Config.reuse_grad_buf_for_mxfp8_param_ag=True needs mxfp8_param_gather=True: only the "

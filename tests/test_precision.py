@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 import fxzero
+from fxzero.inductor_function import Compiling
 from fxzero.optim.params.bf16_rounding import join, round_into, split
 from fxzero.optim.state.state_dict import MASTER_KEY
 from fxzero.optim.update import torch_fused
@@ -41,10 +42,10 @@ MODES: dict[str, dict[str, Any]] = {
     "remainders": {"param_remainders": True},
     "remainders, bf16 state": {"param_remainders": True, "optimizer_state_dtype": "bf16"},
     "stochastic rounding": {"param_rounding": "stochastic"},
-    "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
-    "fp8 state, compiled update": {"optimizer_state_dtype": "fp8", "compiled_update": True},
-    "remainders, bf16 state, compiled update": {"param_remainders": True, "optimizer_state_dtype": "bf16", "compiled_update": True},
-    "stochastic rounding, compiled update": {"param_rounding": "stochastic", "compiled_update": True},
+    "bf16 state, eager update": {"optimizer_state_dtype": "bf16", "compiled_update": False},  # the modes above compile (the default)
+    "fp8 state, eager update": {"optimizer_state_dtype": "fp8", "compiled_update": False},
+    "remainders, bf16 state, eager update": {"param_remainders": True, "optimizer_state_dtype": "bf16", "compiled_update": False},
+    "stochastic rounding, eager update": {"param_rounding": "stochastic", "compiled_update": False},
     "remainders, fused": {"param_remainders": True, "flags": {"fused": True}},  # "flags": the optimizer's, not the Config's
 }
 
@@ -205,14 +206,12 @@ def test_remainders_with_fused_train_bitwise_like_fused_fp32_masters_rounded_hal
                                     config=fxzero.Config(param_remainders=True, optimizer_state_dtype="bf16"))  # fmt: skip
 
 
-@pytest.mark.parametrize("options", [{"optimizer_state_dtype": "bf16"}, {"optimizer_state_dtype": "fp8"},
-                                     pytest.param({"optimizer_state_dtype": "bf16", "compiled_update": True}, marks=pytest.mark.slow),
-                                     pytest.param({"optimizer_state_dtype": "fp8", "compiled_update": True}, marks=pytest.mark.slow),
-                                     {"exp_avg_sq_dtype": "bf16", "compiled_update": True}],
-                         ids=["bf16", "fp8", "bf16-compiled", "fp8-compiled", "fp32-bf16-compiled"])  # fmt: skip
+@pytest.mark.parametrize("options", [{"optimizer_state_dtype": "bf16"}, {"optimizer_state_dtype": "fp8"}, {"exp_avg_sq_dtype": "bf16"},
+                                     {"optimizer_state_dtype": "bf16", "compiled_update": False}, {"optimizer_state_dtype": "fp8", "compiled_update": False}],
+                         ids=["bf16", "fp8", "fp32-bf16", "bf16-eager", "fp8-eager"])  # fmt: skip
 def test_remainders_with_narrow_moments_train_bitwise_like_fp32_masters_rounded_half_away(options: dict[str, Any]) -> None:
     """A remainder rebuilds the master exactly, so the moments' dtype changes nothing: the same update
-    steps the same fp32 values. With ``compiled_update`` the join and the split run outside the
+    steps the same fp32 values. Compiled (the default), the join and the split run outside the
     compiled update, on the step's scratch (``fxzero/optim/update/fused_run.py``)."""
     masters = _train("mlp_branch", {**options, "param_rounding": "half_away"}, steps=4)
     remainders = _train("mlp_branch", {**options, "param_remainders": True}, steps=4)
@@ -250,8 +249,8 @@ def test_other_classes_and_unsupported_flags_are_refused_naming_the_option() -> 
         fxzero.Config(optimizer_state_dtype="int8")  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("label", ["bf16 state", "fp8 state", "remainders", "stochastic rounding", "bf16 state, compiled update",
-                                   "fp8 state, compiled update", "remainders, bf16 state, compiled update", "stochastic rounding, compiled update",
+@pytest.mark.parametrize("label", ["bf16 state", "fp8 state", "remainders", "stochastic rounding", "bf16 state, eager update",
+                                   "fp8 state, eager update", "remainders, bf16 state, eager update", "stochastic rounding, eager update",
                                    "remainders, fused"])  # fmt: skip
 def test_every_mode_resumes_bitwise_from_a_checkpoint(label: str, tmp_path: Any) -> None:
     """A 4-step run saves after step 2 (``fxzero.save_checkpoint`` and ``opt.state_dict()``); a fresh
@@ -297,7 +296,7 @@ def test_state_loads_across_modes_rounding_only_what_the_narrower_mode_cannot_ke
     # bf16: half an ulp of each element; 8-bit: within its block's scale (relative ~2^-4, the
     # second moment's root rounded up one code: ~2^-3, squared), small elements to 2^-9 of the largest
     for label, relative, floor in (("bf16 state", 2**-8, 0.0), ("fp8 state", 0.27, 2**-9), ("remainders", 0.0, 0.0),
-                                   ("bf16 state, compiled update", 2**-8, 0.0), ("fp8 state, compiled update", 0.27, 2**-9)):  # fmt: skip
+                                   ("bf16 state, eager update", 2**-8, 0.0), ("fp8 state, eager update", 0.27, 2**-9)):  # fmt: skip
         model = copy.deepcopy(source["model"])
         opt = fxzero.DistributedOptimizer(param_groups(model), torch.optim.AdamW, lr=LR, module=model,
                                           config=fxzero.Config(bucket_size=2000, **MODES[label]))  # fmt: skip
@@ -324,10 +323,10 @@ COMPILED = {  # label -> options; the same compiled graphs serve every run (runs
     "fp8 state, mxfp8 gather": {"optimizer_state_dtype": "fp8", "mxfp8_param_gather": True},
     "bf16 state, mxfp8 gather": {"optimizer_state_dtype": "bf16", "mxfp8_param_gather": True},
     "mxfp8 gather": {"mxfp8_param_gather": True},
-    "remainders, compiled update": {"param_remainders": True, "compiled_update": True},
-    "half_away, compiled update": {"param_rounding": "half_away", "compiled_update": True},
-    "bf16 state, compiled update": {"optimizer_state_dtype": "bf16", "compiled_update": True},
-    "fp8 state, compiled update": {"optimizer_state_dtype": "fp8", "compiled_update": True},
+    "remainders, eager update": {"param_remainders": True, "compiled_update": False},  # the modes above compile (the default)
+    "half_away, eager update": {"param_rounding": "half_away", "compiled_update": False},
+    "bf16 state, eager update": {"optimizer_state_dtype": "bf16", "compiled_update": False},
+    "fp8 state, eager update": {"optimizer_state_dtype": "fp8", "compiled_update": False},
     "half_away, fused": {"param_rounding": "half_away", "flags": {"fused": True}},
     "remainders, fused": {"param_remainders": True, "flags": {"fused": True}},
 }
@@ -351,10 +350,10 @@ def _modes(inner: Any) -> dict[str, Any]:
 
 
 def _check_modes(runs: dict[str, Any]) -> None:
-    assert _same(runs["remainders"], runs["half_away"]) and _same(runs["remainders, compiled update"], runs["half_away"])
-    assert _same(runs["half_away, compiled update"], runs["half_away"])  # word loops: publish and the watch check
+    assert _same(runs["remainders"], runs["half_away"]) and _same(runs["remainders, eager update"], runs["half_away"])
+    assert _same(runs["half_away, eager update"], runs["half_away"])  # word loops or eager ops: publish and the watch check
     assert _same(runs["remainders, fused"], runs["half_away, fused"])
-    for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5), ("bf16 state, compiled update", 1.5), ("fp8 state, compiled update", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
+    for label, bound in (("bf16 state", 1.5), ("fp8 state", 1.5), ("bf16 state, eager update", 1.5), ("fp8 state, eager update", 1.5)):  # bf16 params: one-ulp flips of ~1.0 weights are 0.78 lr
         assert _drift(runs[label], runs["fp32"]) < bound * STEPS, (label, _drift(runs[label], runs["fp32"]))
     # MXFP8 params: the comparison's resolution is one E4M3 code of the largest weight (3 mantissa bits:
     # 2^-4 for weights in [0.5, 1), 6.25 lr), which a narrow moment's rounding may flip
@@ -440,13 +439,14 @@ def _family_run(name: str, options: dict[str, Any], accumulate: int = 1) -> list
 @pytest.mark.parametrize("name", ["conv", "adapters", "expert_loop", "mlp_frozen", "hf_gpt2"])
 def test_model_families_keep_remainders_bitwise_and_train_with_narrow_state(name: str) -> None:
     """A conv net, adapters and experts picked in Python, a partly frozen MLP, and Hugging Face's GPT-2 with
-    its default dropout (tied embeddings), with gradient accumulation under ``no_sync``; with and without
-    ``compiled_update`` (its remainders bitwise too, its packed bf16 moments and its fp8 block rows within the same bound)."""
+    its default dropout (tied embeddings), with gradient accumulation under ``no_sync``; compiled (the default)
+    and eager (``compiled_update=False``): remainders bitwise either way, packed bf16 moments and fp8 block rows
+    within the eager update's bound."""
     half_away = _family_run(name, {"param_rounding": "half_away"}, accumulate=2)
     assert all(torch.equal(a, b) for a, b in zip(half_away, _family_run(name, {"param_remainders": True}, accumulate=2)))
-    compiled = _family_run(name, {"param_remainders": True, "compiled_update": True}, accumulate=2)
-    assert all(torch.equal(a, b) for a, b in zip(half_away, compiled))
-    for dtype, options in (("bf16", {}), ("fp8", {}), ("bf16", {"compiled_update": True}), ("fp8", {"compiled_update": True})):
+    eager = _family_run(name, {"param_remainders": True, "compiled_update": False}, accumulate=2)
+    assert all(torch.equal(a, b) for a, b in zip(half_away, eager))
+    for dtype, options in (("bf16", {}), ("fp8", {}), ("bf16", {"compiled_update": False}), ("fp8", {"compiled_update": False})):
         narrow = _family_run(name, {"optimizer_state_dtype": dtype, "param_remainders": True, **options}, accumulate=2)
         assert all(bool(p.isfinite().all()) for p in narrow)
         assert max(float((a - b).abs().max()) for a, b in zip(narrow, half_away)) < 1.5 * 3 * LR, (name, dtype)
@@ -459,7 +459,7 @@ def test_the_compiled_run_update_compiles_once_per_kinds_and_steps_like_the_eage
     and another run of the same kinds reuse the graph; the params stay within rounding of the eager update's."""
     for options in ({"optimizer_state_dtype": "fp8"}, {"optimizer_state_dtype": "bf16", "param_remainders": True},
                     {"exp_avg_sq_dtype": "fp8"}):  # fmt: skip
-        eager = _train("gpt", options, steps=2)
+        eager = _train("gpt", {**options, "compiled_update": False}, steps=2)
         model = build("gpt").to(torch.bfloat16)
         compiled = _train("gpt", {**options, "compiled_update": True}, steps=2, model=model)
         fused = compiled["opt"].runtime.local.fused
@@ -495,7 +495,7 @@ def test_a_run_of_whole_blocks_steps_in_rows_bitwise_like_the_flat_run(dtypes: t
     for rows in (True, False):
         if not rows:
             monkeypatch.setattr(fused_run, "_in_rows", lambda kinds, grad: False)
-        update, master = fused_run.FusedRunUpdate(), torch.randn(n, generator=torch.Generator().manual_seed(0))
+        update, master = fused_run.FusedRunUpdate(Compiling(True, "the test's update")), torch.randn(n, generator=torch.Generator().manual_seed(0))
         stores = make_stores(dtypes, n, master.device, paired=True)
         for step, (grad, hyper) in enumerate(zip(grads, hypers), 1):
             update(master, grad, *stores, step, hyper)

@@ -1,28 +1,28 @@
-"""The compiled bit operations (``Config.compiled_update``) give the eager ones' bits, element for element.
+"""The compiled bit operations (``Config.compiled_update``, on by default) give the eager ones' bits, element for element.
 
 Integer arithmetic has one answer, so Inductor's loop must give exactly what the eager chain of
 torch ops gives: for every kind of fp32 value (zeros of both signs, denormals, the largest
 finite values, infinities, values next to a rounding tie and ties themselves) and for runs whose
-length is not a multiple of the vector width. Then a run with ``compiled_update`` trains bitwise
-like the same run without it, for remainders (bitwise the half-away fp32-master run) and for
-stochastic rounding.
+length is not a multiple of the vector width. Then a run with the compiled loops trains bitwise
+like the same run with the eager ops, for remainders (bitwise the half-away fp32-master run) and for
+half-away and stochastic rounding; where Inductor cannot compile, the default falls back to those ops.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
 import torch
 
 import fxzero
-from fxzero.optim.params import bf16_rounding, paired_words, rounding_kernels
+from fxzero import inductor_function
+from fxzero.optim.params import bf16_rounding, paired_words
 from fxzero.optim.params.rounding_kernels import RoundingKernels
 
 from models import batch, build, forward_kwargs, loss_fn, param_groups
 
-COMPILED, EAGER = RoundingKernels(compiled=True), RoundingKernels(compiled=False, stochastic_compiled=False)
+COMPILED, EAGER = RoundingKernels(compiled=True), RoundingKernels(compiled=False)
 
 
 def _masters(n: int) -> torch.Tensor:
@@ -153,41 +153,13 @@ def _no_compiler(fn: Any, graphs: int) -> Any:
 @pytest.mark.parametrize("options", [{"param_remainders": True}, {"param_rounding": "stochastic"}, {"param_rounding": "half_away"}],
                          ids=["remainders", "stochastic", "half_away"])  # fmt: skip
 def test_a_run_with_the_compiled_bit_operations_trains_bitwise_like_the_eager_one(options: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """``mlp_branch`` leaves a param without gradient in some steps (its run then steps fragment by fragment).
-    Three runs: ``compiled_update``; the defaults (stochastic rounding's loops compiled, the rest eager);
-    and every compile failing (the eager ops throughout, the fallback of a machine without a C++ compiler)."""
+    """``mlp_branch`` leaves a param without gradient in some steps (its run then steps as stretches).
+    Four runs: ``compiled_update=True``; the default (``None``: compiled); ``False`` (the eager ops); and the
+    default with every compile failing (the fallback of a machine without a C++ compiler)."""
     compiled = _run("mlp_branch", {**options, "compiled_update": True})
     default = _run("mlp_branch", options)
-    monkeypatch.setattr(rounding_kernels, "shared", _no_compiler)
-    eager = _run("mlp_branch", options)
-    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(eager, compiled))
-    assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(default, compiled))
-
-
-@pytest.mark.parametrize("n", [4098, 4099])
-def test_stochastic_rounding_is_compiled_by_default_and_falls_back_to_the_eager_bits_with_a_warning(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Without ``compiled_update`` stochastic rounding runs its compiled loops (the check answers in one
-    loop: not ``None``); where the compile fails, one warning, the eager bits, and the eager ops from then
-    on. With ``compiled_update`` the failure raises. Even lengths take the word loops, odd ones the element loop."""
-    masters = _masters(n)
-    expected = torch.empty(masters.shape, dtype=torch.bfloat16)
-    EAGER.round_into(masters, expected, "stochastic")
-    default = RoundingKernels(compiled=False)
-    assert default.holds_rounding(masters, expected, "stochastic") is True
-    assert RoundingKernels(compiled=False).holds_rounding(masters, expected, "half_away") is None  # eager: two ops already
-    monkeypatch.setattr(rounding_kernels, "shared", _no_compiler)
-    fallback, out = RoundingKernels(compiled=False), torch.empty_like(expected)
-    records: list[logging.LogRecord] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = records.append  # type: ignore[method-assign]
-    logger = logging.getLogger(rounding_kernels.__name__)  # its own handler: another test's log setup may stop propagation
-    logger.addHandler(handler)
-    try:
-        fallback.round_into(masters, out, "stochastic")
-        assert fallback.holds_rounding(masters, out, "stochastic") is None and not fallback.stochastic_compiled
-    finally:
-        logger.removeHandler(handler)
-    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
-    assert [r.levelname for r in records] == ["WARNING"] and "no C++ compiler here" in records[0].getMessage()
-    with pytest.raises(RuntimeError, match="no C.. compiler here"):
-        RoundingKernels(compiled=True).round_into(masters, out, "stochastic")
+    eager = _run("mlp_branch", {**options, "compiled_update": False})
+    monkeypatch.setattr(inductor_function, "shared", _no_compiler)
+    fallback = _run("mlp_branch", options)
+    for run in (default, eager, fallback):
+        assert all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(run, compiled))

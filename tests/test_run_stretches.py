@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import fxzero
+from fxzero.inductor_function import Compiling
 from fxzero.optim.update import fused_run
 from fxzero.optim.update.moment_store import make_stores
 
@@ -36,7 +37,7 @@ def test_a_stretch_steps_with_the_bits_of_a_run_of_its_own_and_the_rest_is_untou
     hidden elements' master and moments stay as they were (their 8-bit block is not re-encoded)."""
     n, stretches = 193, [(0, 64), (96, 193)]
     g = torch.Generator().manual_seed(1)
-    update, master = fused_run.FusedRunUpdate(), torch.randn(n, generator=g)
+    update, master = fused_run.FusedRunUpdate(Compiling(True, "the test's update")), torch.randn(n, generator=g)
     stores = make_stores(dtypes, n, master.device, paired=True)
     update(master, torch.randn(n, generator=g), *stores, 1, HYPER)  # moments that are not zero
     grad = torch.randn(n, generator=g)
@@ -68,13 +69,13 @@ def test_a_stretch_that_cuts_an_8_bit_block_is_not_taken(start: int, stop: int, 
 
 
 def _train(groups: str, spans: list, monkeypatch: pytest.MonkeyPatch, compiled: bool, steps: int = 6) -> list[torch.Tensor]:
-    """``mlp_branch`` (its ``extra`` layer gets a gradient on every third step) with bf16 moments and
-    ``compiled_update``: one param group, or ``extra`` in a group of its own."""
+    """``mlp_branch`` (its ``extra`` layer gets a gradient on every third step) with bf16 moments, the
+    update compiled (the default): one param group, or ``extra`` in a group of its own."""
     call = fused_run.FusedRunUpdate.__call__
 
-    def spy(self: Any, *args: Any, span: Any = None) -> None:
+    def spy(self: Any, *args: Any, span: Any = None) -> bool:
         spans.append(span)
-        call(self, *args, span=span)
+        return call(self, *args, span=span)
 
     monkeypatch.setattr(fused_run.FusedRunUpdate, "__call__", spy)
     model = build("mlp_branch")
@@ -82,7 +83,7 @@ def _train(groups: str, spans: list, monkeypatch: pytest.MonkeyPatch, compiled: 
     params = [p for p in model.parameters() if id(p) not in extra] + list(model.extra.parameters())
     split = [{"params": params[: -len(extra)]}, {"params": list(model.extra.parameters())}]
     opt = fxzero.DistributedOptimizer(params if groups == "one" else split, torch.optim.AdamW, lr=1e-2, module=model,
-                                      config=fxzero.Config(optimizer_state_dtype="bf16", compiled_update=True))  # fmt: skip
+                                      config=fxzero.Config(optimizer_state_dtype="bf16"))  # fmt: skip
     forward = torch.compile(model, backend="fxzero") if compiled else model  # Inductor, the default inner compiler
     for step in range(steps):
         x, y = batch("mlp_branch", step, 8)

@@ -98,7 +98,7 @@ class PlainGather:
     needs_landing = False
 
     def __init__(self, buckets: Sequence[Bucket], dp: DataParallelGroup, rounding: Rounding = "nearest_even",
-                 compiled: bool = False) -> None:  # fmt: skip
+                 compiled: Optional[bool] = False) -> None:  # fmt: skip
         """``rounding``: how fp32 masters become bf16 params (:mod:`.bf16_rounding`), by Inductor-compiled
         loops when ``compiled`` (``Config.compiled_update``: the same bits)."""
         self.buckets, self.dp, self.kernels = tuple(buckets), dp, RoundingKernels(compiled)

@@ -5,17 +5,16 @@ param and remainder and joining them again are integer arithmetic on the masters
 Eagerly each is a chain of up to nine torch ops, a pass over memory each: stochastic rounding
 cost 2.5x a whole fp32 AdamW step (``benchmarks/update.py``). Integer arithmetic has one
 answer, so Inductor's single loop gives the eager chain's bits exactly (checked element for
-element in ``tests/test_rounding_kernels.py``, hash included); with ``Config.compiled_update``
-the step uses these.
+element in ``tests/test_rounding_kernels.py``, hash included), and the step uses these.
 
-**Stochastic rounding is compiled whatever ``compiled_update`` says.** Its hash is seven eager ops,
-and the step runs it twice (to round, and to check that the params still hold the rounding), so
-eagerly a stochastic step cost 3.6x a nearest-even one (``benchmarks/update.py``, 2026-11-29); its
-loops give the eager bits, so compiling them changes no number. The one compile (seconds) falls in
-the first ``step()``. Where Inductor cannot build them (no C++ compiler, an ``inner_compiler="eager"``
-setup), the first failure is logged as a warning and the step runs the eager ops from then on (the
-same bits, at their cost); under ``compiled_update=True`` a failure raises, as every other compile
-of the update does.
+**Compiled by default.** ``Config.compiled_update=None`` (the default) compiles these loops too: they give
+the eager ops' bits, so compiling them changes no number, and eagerly stochastic rounding cost 3.6x a
+nearest-even step (its hash is seven ops, run twice: to round, and to check that the params still
+hold the rounding; ``benchmarks/update.py``, 2026-11-29). The compiles (seconds) fall in the first
+``step()``. Where Inductor cannot build them (no C++ compiler), the first failure is logged as a
+warning and the step runs the eager ops from then on (the same bits, at their cost:
+:class:`~fxzero.inductor_function.Compiling`); under ``compiled_update=True`` a failure raises, and
+``compiled_update=False`` runs the eager ops throughout.
 
 **How the loops stay vectorized.** Inductor's CPU code generator vectorizes a loop only if it has
 vectors for every dtype in it (not int16: ``tests/test_inductor_cpu_code.py``).
@@ -35,18 +34,15 @@ either way. The word loops convert nothing and keep every payload.
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Callable, Optional
 
 import torch
 
-from ...inductor_function import shared
+from ...inductor_function import Compiling
 from . import bf16_rounding, paired_words
 from .bf16_rounding import Rounding
 
 __all__ = ["RoundingKernels", "join_into", "join_values", "round_bits", "rounding_differs", "split_in_place"]
-
-log = logging.getLogger(__name__)
 
 _HALF = 0x8000
 _HIGH = -65536  # 0xFFFF0000 as an int32
@@ -95,37 +91,19 @@ _GRAPHS = 8
 
 class RoundingKernels:
     """:func:`~.bf16_rounding.round_into`, :func:`~.bf16_rounding.split` and :func:`~.bf16_rounding.join`,
-    eager (``compiled=False``) or as one Inductor-generated loop each, with the same bits; stochastic
-    rounding's loops compiled either way (see the module docstring)."""
+    eager or as one Inductor-generated loop each, with the same bits. ``compiled``: ``Config.compiled_update``
+    (``None`` compiles, falling back to the eager ops where Inductor fails; ``False`` is the tests' eager reference)."""
 
-    def __init__(self, compiled: bool, *, stochastic_compiled: bool = True) -> None:
-        self.compiled = compiled
-        self.stochastic_compiled = stochastic_compiled
-        """Whether stochastic rounding runs its compiled loops without ``compiled``: until Inductor fails
-        to build one (then the eager ops, for good). ``False`` gives the eager ops (the tests' reference)."""
-
-    def _compiles(self, rounding: Rounding) -> bool:
-        return self.compiled or (rounding == "stochastic" and self.stochastic_compiled)
+    def __init__(self, compiled: Optional[bool]) -> None:
+        self.compiling = Compiling(compiled, "bf16 rounding's bit loops")
 
     def _call(self, fn: Callable[..., Any], *args: torch.Tensor) -> tuple[bool, Any]:
-        """``(True, fn(*args))`` compiled; ``(False, None)`` where the compile of stochastic rounding's
-        loop failed without ``compiled`` (logged once: the caller runs the eager ops, the same bits)."""
-        try:
-            return True, shared(fn, _GRAPHS)(*args)
-        except Exception as error:  # a compile that failed, whatever its kind: the eager ops give these bits
-            if self.compiled:
-                raise
-            self.stochastic_compiled = False
-            log.warning(
-                "fxzero: stochastic rounding's compiled loop could not be built (%s: %s); the step runs the eager ops "
-                "from now on: the same bits, about 3x the cost of a nearest-even step (set up a C++ compiler for "
-                "Inductor to get the loop)", type(error).__name__, error,
-            )
-            return False, None
+        """``(True, fn(*args))`` compiled; ``(False, None)``: the caller runs the eager ops (the same bits)."""
+        return self.compiling.call(fn, _GRAPHS, *args)
 
     def round_into(self, master: torch.Tensor, out: torch.Tensor, rounding: Rounding) -> None:
         """Write fp32 ``master`` into the bf16 tensor ``out`` with ``rounding``."""
-        if self._compiles(rounding) and rounding != "nearest_even":
+        if rounding != "nearest_even" and self.compiling.active:
             paired = paired_words.words(master, out)
             if paired is not None:
                 if self._call(_WORD_ROUNDS[rounding], *paired)[0]:
@@ -143,7 +121,7 @@ class RoundingKernels:
         word loop for every rounding (a NaN master's param may be any NaN under nearest even), the element
         loop for stochastic rounding (its hash is the costly part); ``None`` otherwise (the caller rounds
         and compares)."""
-        if not self._compiles(rounding):
+        if not self.compiling.active:
             return None
         paired = paired_words.words(master, param)
         if paired is not None:
@@ -160,26 +138,24 @@ class RoundingKernels:
         (2.4 ms per 5.24M elements, one thread), or where the words cannot pair elements, an element loop
         whose remainders go through ``master`` as int32 and are then narrowed by ``copy_`` (the loop's int16
         store is scalar; the two passes together take half its time: 2.9-3.1 ms against 6.1 ms; the same bits)."""
-        if not self.compiled:
-            bf16_rounding.split(master, param, remainder)
-            return
-        paired = paired_words.words(master, param, remainder)
+        paired = paired_words.words(master, param, remainder) if self.compiling.active else None
         if paired is not None:
-            shared(paired_words.split, _GRAPHS)(*paired)
+            if self._call(paired_words.split, *paired)[0]:
+                return
+        elif self.compiling.active and self._call(split_in_place, master.view(torch.int32), param)[0]:
+            remainder.copy_(master.view(torch.int32))
             return
-        bits = master.view(torch.int32)
-        shared(split_in_place, _GRAPHS)(bits, param)
-        remainder.copy_(bits)
+        bf16_rounding.split(master, param, remainder)
 
     def join(self, param: torch.Tensor, remainder: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The fp32 master ``param`` and ``remainder`` stand for, written into ``out`` (or a new tensor)."""
-        if not self.compiled:
+        if not self.compiling.active:
             return bf16_rounding.join(param, remainder, out)
         target = torch.empty(param.shape, dtype=torch.float32, device=param.device) if out is None else out
         paired = paired_words.words(target, param, remainder)
         if paired is not None:
             master_words, param_words, remainder_words = paired
-            shared(paired_words.join, _GRAPHS)(param_words, remainder_words, master_words)
+            done = self._call(paired_words.join, param_words, remainder_words, master_words)[0]
         else:
-            shared(join_into, _GRAPHS)(param, remainder, target)
-        return target
+            done = self._call(join_into, param, remainder, target)[0]
+        return target if done else bf16_rounding.join(param, remainder, target)

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from ..._torch_compat import mark_static
-from ...inductor_function import shared
+from ...inductor_function import Compiling, shared
 from .moment_store import BLOCK, HIGH_HALF, BlockStore, MomentStore, PairHalf, PlainStore, RootStore, nearest_bf16_bits
 
 __all__ = ["FusedRunUpdate"]
@@ -160,11 +160,17 @@ _KINDS_LIMIT = 64
 class FusedRunUpdate:
     """The compiled run update of one :class:`~fxzero.optim.update.shard_adam.ShardAdamW`."""
 
-    def __init__(self) -> None:
+    def __init__(self, compiling: Compiling) -> None:
+        self._compiling = compiling
         self._compiled = shared(_adam_run, _KINDS_LIMIT)
         self._scalars: Optional[torch.Tensor] = None
         self._key: Any = None
         """What :attr:`_scalars` was made from: the hyperparameters, the step count and the device."""
+
+    @property
+    def compiling(self) -> Compiling:
+        """Whether this optimizer's update runs compiled (``Config.compiled_update``; false after a failed compile under ``None``)."""
+        return self._compiling
 
     @property
     def compiles(self) -> int:
@@ -183,10 +189,13 @@ class FusedRunUpdate:
         return _span_parts(exp_avg, start, stop) is not None and _span_parts(exp_avg_sq, start, stop) is not None
 
     def __call__(self, master: torch.Tensor, grad: torch.Tensor, exp_avg: MomentStore, exp_avg_sq: MomentStore, step: int,
-                 hyper: tuple, span: Optional[tuple[int, int]] = None) -> None:  # fmt: skip
+                 hyper: tuple, span: Optional[tuple[int, int]] = None) -> bool:  # fmt: skip
         """Step the run's fp32 ``master`` (its params, or the scratch its remainders were joined into);
         with ``span``, only elements ``span[0]:span[1]`` of the run (``master`` and ``grad`` are theirs:
-        see :meth:`takes`)."""
+        see :meth:`takes`). ``False``: nothing was written, the compile is not available (see
+        :class:`~fxzero.inductor_function.Compiling`) and the caller steps the run eagerly."""
+        if not self._compiling.active:
+            return False
         lr, beta1, beta2, eps, weight_decay, maximize, decoupled = hyper
         key = (hyper, step, master.device)  # everything the scalars are made of: the runs of a step share them
         if key != self._key or self._scalars is None:
@@ -202,4 +211,4 @@ class FusedRunUpdate:
         if _in_rows(kinds, grad):
             n = grad.numel()
             (master, grad), m_parts, v_parts = _rows((master, grad), n), _rows(m_parts, n), _rows(v_parts, n)
-        self._compiled(master, grad, m_parts, v_parts, self._scalars, kinds, flags)
+        return self._compiling.call(_adam_run, _KINDS_LIMIT, master, grad, m_parts, v_parts, self._scalars, kinds, flags)[0]

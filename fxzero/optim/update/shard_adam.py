@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 import torch
 
+from ...inductor_function import Compiling
 from ..layout.shards import FragmentTensor
 from ..params import bf16_rounding
 from ..state.state_dict import REMAINDER_KEY
@@ -91,13 +92,15 @@ class ShardAdamW(torch.optim.Optimizer):
 
     def __init__(
         self, groups: list[dict[str, Any]], fragments: Sequence[FragmentTensor], places: Sequence[Place], *,
-        state_dtypes: tuple[str, str], remainders: bool, decoupled: bool, compiled: bool = False,
+        state_dtypes: tuple[str, str], remainders: bool, decoupled: bool, compiled: Optional[bool] = False,
     ) -> None:  # fmt: skip
         super().__init__(groups, {})
         self.fragments, self.decoupled, self.state_dtypes = tuple(fragments), decoupled, state_dtypes
-        self.fused = FusedRunUpdate() if compiled and state_dtypes != ("fp32", "fp32") else None
-        """The Inductor-generated run update (``Config.compiled_update``), for narrow moments only
-        (:mod:`~fxzero.optim.update.fused_run` says why)."""
+        wanted = compiled is not False and state_dtypes != ("fp32", "fp32")
+        self.fused = FusedRunUpdate(Compiling(compiled, "the narrow moments' Adam update")) if wanted else None
+        """The Inductor-generated run update (``Config.compiled_update``: ``True`` or ``None``), for narrow
+        moments only (:mod:`~fxzero.optim.update.fused_run` says why); where it cannot be compiled under
+        ``None``, the eager update, over the same stores."""
         self._runs = [self._run_state(run, remainders) for run in plan_runs(places)]
         rebuilt = [rs for rs in self._runs if rs.remainder is not None]
         self._scratch = torch.empty(max((rs.param.numel() for rs in rebuilt), default=0), dtype=torch.float32,
@@ -175,9 +178,7 @@ class ShardAdamW(torch.optim.Optimizer):
         steps = rs.steps
         master = rs.master(self.kernels)
         if whole and steps.count(steps[0]) == len(steps):
-            if self.fused is not None:
-                self.fused(master, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper)
-            else:
+            if self.fused is None or not self.fused(master, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper):
                 m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
                 _adam(master, rs.grad, m, v, steps[0] + 1, hyper, rs.grad.dtype == torch.float32)
                 rs.exp_avg.save(m)
@@ -209,9 +210,8 @@ class ShardAdamW(torch.optim.Optimizer):
         if not stretches:
             return
         if self.fused is not None and all(self.fused.takes(rs.exp_avg, rs.exp_avg_sq, lo, hi) for lo, hi, _ in stretches):
-            for lo, hi, step in stretches:
-                self.fused(master[lo:hi], rs.grad[lo:hi], rs.exp_avg, rs.exp_avg_sq, step, hyper, span=(lo, hi))
-        else:
+            stretches = self._fused_stretches(rs, master, hyper, stretches)
+        if stretches:
             m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
             reuse = rs.grad.dtype == torch.float32  # the consumed gradient holds the denominator (see _adam)
             for lo, hi, step in stretches:
@@ -221,6 +221,14 @@ class ShardAdamW(torch.optim.Optimizer):
         for k, index in enumerate(rs.run.fragments):
             if self.fragments[index].param.grad is not None:
                 rs.steps[k] += 1
+
+    def _fused_stretches(self, rs: _RunState, master: torch.Tensor, hyper: tuple, stretches: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+        """Step ``stretches`` with the compiled update, in order; those left where it became unavailable."""
+        assert self.fused is not None
+        for k, (lo, hi, step) in enumerate(stretches):
+            if not self.fused(master[lo:hi], rs.grad[lo:hi], rs.exp_avg, rs.exp_avg_sq, step, hyper, span=(lo, hi)):
+                return stretches[k:]
+        return []
 
     def _step_run_fused(self, rs: _RunState, hyper: tuple, whole: bool) -> None:
         """Update run ``rs`` with torch's fused kernel, fragment by fragment (:mod:`.torch_fused`)."""

@@ -48,7 +48,7 @@ class UpdatePlan:
     """Each Adam moment's dtype (``"fp32"``, ``"bf16"`` or ``"fp8"``)."""
     remainders: bool
     """bf16 params keep int16 remainders instead of fp32 masters."""
-    compiled: bool
+    compiled: Optional[bool]
     """fxzero's own per-run work compiled by Inductor (``Config.compiled_update``)."""
     decoupled: bool
     """AdamW's decoupled weight decay (the class is ``torch.optim.AdamW``)."""
@@ -58,7 +58,7 @@ class UpdatePlan:
 
 def plan_update(
     optimizer_class: type, groups: Sequence[dict[str, Any]], param_dtypes: Sequence[torch.dtype], label: Callable[[int], str], *,
-    state_dtypes: tuple[str, str], remainders: bool, compiled: bool, rounding: str, stepwise: bool, option: str,
+    state_dtypes: tuple[str, str], remainders: bool, compiled: Optional[bool], rounding: str, stepwise: bool, option: str,
 ) -> UpdatePlan:  # fmt: skip
     """The plan for ``optimizer_class`` over ``groups`` (their flags) and params of ``param_dtypes``
     (``label(i)``: param ``i``'s name, for refusals).

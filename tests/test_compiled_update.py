@@ -1,0 +1,109 @@
+"""``Config.compiled_update``: ``None`` (the default) compiles fxzero's own per-run work and falls back to
+the eager ops where Inductor cannot compile; ``True`` requires the compile; ``False`` never compiles.
+
+A machine without a C++ compiler is played by making every compile fail
+(:func:`fxzero.inductor_function.shared` raising): the default must then log one warning naming what runs
+eagerly and train exactly as ``compiled_update=False`` does, from the first step on; ``True`` must raise.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import fxzero
+from fxzero import inductor_function
+from fxzero.optim.params.bf16_rounding import round_into
+from fxzero.optim.params.rounding_kernels import RoundingKernels
+
+from models import batch, build, forward_kwargs, loss_fn
+
+
+def _no_compiler(fn: Any, graphs: int) -> Any:
+    raise RuntimeError("no C++ compiler here")
+
+
+def _warnings_of(action: Callable[[], Any]) -> tuple[Any, list[logging.LogRecord]]:
+    """``action()`` and the warnings it logs through :mod:`fxzero.inductor_function`'s logger (a handler of
+    its own: another test's log setup may stop the ``fxzero`` logger's propagation, which ``caplog`` needs)."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger(inductor_function.__name__)
+    logger.addHandler(handler)
+    try:
+        return action(), records
+    finally:
+        logger.removeHandler(handler)
+
+
+def _train(options: dict[str, Any], steps: int = 4) -> tuple[list[torch.Tensor], fxzero.DistributedOptimizer]:
+    """``mlp_branch`` (its ``extra`` layer without a gradient on two steps of three: stretches) in fp32."""
+    model = build("mlp_branch")
+    opt = fxzero.DistributedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, module=model,
+                                      config=fxzero.Config(bucket_size=2000, **options))  # fmt: skip
+    for step in range(steps):
+        x, y = batch("mlp_branch", step, 8)
+        loss_fn("mlp_branch", model(x, **forward_kwargs("mlp_branch", step)), y).backward()
+        assert not opt.step().skipped
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()], opt
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_narrow_moments_step_compiled_by_default_and_fall_back_to_the_eager_update_with_one_warning(
+    dtype: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default steps the moments with the compiled update (bitwise the ``compiled_update=True`` run);
+    every compile failing, it logs one warning and steps eagerly from the first step (bitwise the
+    ``compiled_update=False`` run); ``True`` then raises."""
+    options = {"optimizer_state_dtype": dtype}
+    required, _ = _train({**options, "compiled_update": True})
+    default, opt = _train(options)
+    assert opt.runtime.local.fused.compiling.active and opt.runtime.local.fused.compiles > 0
+    assert all(torch.equal(a, b) for a, b in zip(default, required))
+    eager, opt = _train({**options, "compiled_update": False})
+    assert opt.runtime.local.fused is None
+    monkeypatch.setattr(inductor_function, "shared", _no_compiler)
+    (fallback, opt), records = _warnings_of(lambda: _train(options))
+    assert not opt.runtime.local.fused.compiling.active
+    assert all(torch.equal(a, b) for a, b in zip(fallback, eager))
+    assert len(records) == 1 and "the narrow moments' Adam update" in records[0].getMessage()
+    assert "no C++ compiler here" in records[0].getMessage() and "compiled_update=False" in records[0].getMessage()
+    with pytest.raises(RuntimeError, match="no C.. compiler here"):
+        _train({**options, "compiled_update": True}, steps=1)
+
+
+@pytest.mark.parametrize("n", [4098, 4099])
+def test_the_bit_loops_are_compiled_by_default_and_fall_back_to_the_eager_bits_with_one_warning(n: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """By default stochastic rounding runs its compiled loops (the check that params hold their rounding
+    answers in one loop: not ``None``); where the compile fails, one warning, the eager bits, and the eager
+    ops from then on. ``True`` raises; ``False`` compiles nothing. Even lengths take the word loops, odd
+    ones the element loop."""
+    g = torch.Generator().manual_seed(n)
+    masters = torch.randn(n, generator=g) * 10 ** torch.empty(n).uniform_(-30, 30, generator=g)
+    expected, out = torch.empty(n, dtype=torch.bfloat16), torch.empty(n, dtype=torch.bfloat16)
+    round_into(masters, expected, "stochastic")
+    assert RoundingKernels(compiled=None).holds_rounding(masters, expected, "stochastic") is True
+    assert RoundingKernels(compiled=False).holds_rounding(masters, expected, "stochastic") is None  # the caller rounds and compares
+    monkeypatch.setattr(inductor_function, "shared", _no_compiler)
+    fallback = RoundingKernels(compiled=None)
+
+    def round_and_check() -> None:
+        fallback.round_into(masters, out, "stochastic")
+        assert fallback.holds_rounding(masters, out, "stochastic") is None and not fallback.compiling.active
+
+    _, records = _warnings_of(round_and_check)
+    assert torch.equal(out.view(torch.int16), expected.view(torch.int16))
+    assert len(records) == 1 and "no C++ compiler here" in records[0].getMessage()
+    with pytest.raises(RuntimeError, match="no C.. compiler here"):
+        RoundingKernels(compiled=True).round_into(masters, out, "stochastic")
+
+
+@pytest.mark.parametrize("value", [1, "auto", 0.0])
+def test_a_setting_other_than_none_true_or_false_is_refused_naming_the_flag(value: Any) -> None:
+    with pytest.raises(TypeError, match=rf"Config.compiled_update must be None .*, True or False, got {value!r}"):
+        fxzero.Config(compiled_update=value)
