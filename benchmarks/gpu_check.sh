@@ -11,7 +11,7 @@ step() { local t=$1; shift; echo; echo "=== [$(date +%T)] $* (limit ${t}s)"; loc
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 python3 -c "import sys,torch;print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(), 'nccl', torch.cuda.nccl.version())"
-step 130 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfE --durations=5
+step 180 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -rfE --durations=5
 step 90 python3 benchmarks/graph_overhead.py --device cuda --steps 40 --ops
 step 60 python3 benchmarks/graph_overhead.py --device cuda --steps 40 --sync-phases
 step 70 torchrun --nproc-per-node 1 examples/train_gpt.py --steps 30 --log-every 5 --overlap

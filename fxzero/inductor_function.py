@@ -84,7 +84,7 @@ class Compiling:
         self.required = setting is True
         self.active = setting is not False
         self.what = what
-        """What the owner compiles, for the warning (``"the narrow moments' update"``)."""
+        """What the owner compiles, for the warning (``"the narrow moments' Adam update"``)."""
 
     def call(self, fn: Callable[..., Any], graphs: int, *args: Any) -> tuple[bool, Any]:
         """``(True, result)`` of the compiled ``fn``; ``(False, None)`` where it is not active or its compile
@@ -94,7 +94,7 @@ class Compiling:
         try:
             return True, shared(fn, graphs)(*args)
         except Exception as error:  # a compile that failed, whatever its kind: the eager ops do the same work
-            if self.required:
+            if self.required or isinstance(error, torch.OutOfMemoryError):  # memory, not the compiler: the eager ops need it too
                 raise
             self.active = False
             log.warning(

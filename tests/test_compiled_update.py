@@ -107,3 +107,17 @@ def test_the_bit_loops_are_compiled_by_default_and_fall_back_to_the_eager_bits_w
 def test_a_setting_other_than_none_true_or_false_is_refused_naming_the_flag(value: Any) -> None:
     with pytest.raises(TypeError, match=rf"Config.compiled_update must be None .*, True or False, got {value!r}"):
         fxzero.Config(compiled_update=value)
+
+
+def test_running_out_of_memory_is_raised_and_not_taken_for_a_missing_compiler(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Memory that runs out is no reason to fall back (the eager ops need memory too): it is raised, and the
+    compiled loops stay on for the next call."""
+
+    def out_of_memory(fn: Any, graphs: int) -> Any:
+        raise torch.OutOfMemoryError("out of memory here")
+
+    monkeypatch.setattr(inductor_function, "shared", out_of_memory)
+    compiling = inductor_function.Compiling(None, "a test's loop")
+    with pytest.raises(torch.OutOfMemoryError, match="out of memory here"):
+        compiling.call(torch.add, 1, torch.ones(2), torch.ones(2))
+    assert compiling.active

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import warnings
+from typing import Optional
 
 import pytest
 import torch
@@ -101,6 +102,8 @@ def test_random_ops_draw_plain_compiles_masks_on_cuda() -> None:
 
 
 def _precision_run(options: dict, steps: int = 6) -> tuple[list[torch.Tensor], int, float]:
+    """Six steps of the GPT in bf16 on CUDA with ``options``: its params, state bytes and seconds a step.
+    Where fxzero's own update is compiled (the default), the compile must have worked on CUDA (no eager fallback)."""
     import time
 
     model = build("gpt").to("cuda", torch.bfloat16)
@@ -114,17 +117,22 @@ def _precision_run(options: dict, steps: int = 6) -> tuple[list[torch.Tensor], i
         opt.step()
         opt.zero_grad()
     torch.cuda.synchronize()
+    fused = getattr(opt.runtime.local, "fused", None)
+    assert options.get("compiled_update") is False or fused is None or fused.compiling.active, "the compiled update fell back to eager ops on CUDA"
     return [p.detach().float().cpu() for p in model.parameters()], opt.state_bytes, (time.perf_counter() - start) / steps
 
 
-def test_precision_options_on_cuda() -> None:
-    """Remainders bitwise the half-away fp32-master run; narrow state near fp32 with fewer bytes (CUDA kernels)."""
-    half_away, masters_bytes, _ = _precision_run({"param_rounding": "half_away"})
-    remainders, remainder_bytes, _ = _precision_run({"param_remainders": True})
+@pytest.mark.parametrize("compiled", [None, False], ids=["compiled", "eager"])
+def test_precision_options_on_cuda(compiled: Optional[bool]) -> None:
+    """Remainders bitwise the half-away fp32-master run; narrow state near fp32 with fewer bytes (CUDA kernels):
+    with fxzero's own work compiled (the default: Triton kernels) and eager (``compiled_update=False``)."""
+    flag = {"compiled_update": compiled}
+    half_away, masters_bytes, _ = _precision_run({"param_rounding": "half_away", **flag})
+    remainders, remainder_bytes, _ = _precision_run({"param_remainders": True, **flag})
     assert all(torch.equal(a, b) for a, b in zip(half_away, remainders)) and remainder_bytes < masters_bytes
     fp32, fp32_bytes, _ = _precision_run({})
     for dtype in ("bf16", "fp8"):
-        params, nbytes, seconds = _precision_run({"optimizer_state_dtype": dtype})
+        params, nbytes, seconds = _precision_run({"optimizer_state_dtype": dtype, **flag})
         drift = max(float((a - b).abs().max()) for a, b in zip(params, fp32)) / 1e-2
-        print(f"cuda {dtype} state: {nbytes} bytes (fp32 state {fp32_bytes}), drift {drift:.2f} lr after 6 steps, {1e3 * seconds:.1f} ms/step")
+        print(f"cuda {dtype} state ({flag}): {nbytes} bytes (fp32 state {fp32_bytes}), drift {drift:.2f} lr after 6 steps, {1e3 * seconds:.1f} ms/step")
         assert nbytes < fp32_bytes and drift < 1.5 * 6

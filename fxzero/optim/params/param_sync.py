@@ -100,7 +100,7 @@ class PlainGather:
     def __init__(self, buckets: Sequence[Bucket], dp: DataParallelGroup, rounding: Rounding = "nearest_even",
                  compiled: Optional[bool] = False) -> None:  # fmt: skip
         """``rounding``: how fp32 masters become bf16 params (:mod:`.bf16_rounding`), by Inductor-compiled
-        loops when ``compiled`` (``Config.compiled_update``: the same bits)."""
+        loops unless ``compiled`` is ``False`` (``Config.compiled_update``; the same bits either way)."""
         self.buckets, self.dp, self.kernels = tuple(buckets), dp, RoundingKernels(compiled)
         self._inputs = [b.param_shards[dp.rank] for b in self.buckets]
         self._rounding = [rounding if b.param_data.dtype == torch.bfloat16 else "nearest_even" for b in self.buckets]
