@@ -121,3 +121,24 @@ def test_running_out_of_memory_is_raised_and_not_taken_for_a_missing_compiler(mo
     with pytest.raises(torch.OutOfMemoryError, match="out of memory here"):
         compiling.call(torch.add, 1, torch.ones(2), torch.ones(2))
     assert compiling.active
+
+
+def test_a_compiled_step_traces_into_the_compiled_update() -> None:
+    """torch's compiled-optimizer recipe, ``torch.compile(opt.step)``, over bf16 moments: Dynamo traces into
+    fxzero's own compiled update (its try/except and the compile it holds) and the params stay within the last
+    bits of the plain step's (torch's own compiled and plain AdamW steps differ so too); the update's
+    compile held: no fallback."""
+    models = [build("mlp") for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    opts = [fxzero.DistributedOptimizer(m.parameters(), torch.optim.AdamW, lr=1e-2, module=m, config=fxzero.Config(optimizer_state_dtype="bf16"))
+            for m in models]  # fmt: skip
+    steps = [torch.compile(opts[0].step, backend="aot_eager"), opts[1].step]
+    for i in range(3):
+        x, y = batch("mlp", i, 8)
+        for model, opt, step in zip(models, opts, steps):
+            loss_fn("mlp", model(x), y).backward()
+            step()
+            opt.zero_grad()
+    assert opts[0].runtime.local.fused.compiling.active
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
