@@ -233,8 +233,8 @@ class Config:
 
     compiled_update: Optional[bool] = None
     """Compile fxzero's own per-run work with Inductor instead of running it as an eager chain of
-    torch ops, once per process (seconds with Inductor's cache warm, 10-20 s cold on a CPU, in the
-    first ``step()``):
+    torch ops, once per process, in the first ``step()`` (on a 2-core CPU: 11-16 s with Inductor's cache
+    cold, about 3 s warm):
 
     * narrow moments (``bf16``/``fp8`` in ``optimizer_state_dtype``, ``exp_avg_dtype`` or
       ``exp_avg_sq_dtype``) step with one generated pass per run of the shard
