@@ -180,10 +180,7 @@ class ShardAdamW(torch.optim.Optimizer):
         master = rs.master(self.kernels)
         if whole and steps.count(steps[0]) == len(steps):
             if self.fused is None or not self.fused(master, rs.grad, rs.exp_avg, rs.exp_avg_sq, steps[0] + 1, hyper):
-                m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
-                _adam(master, rs.grad, m, v, steps[0] + 1, hyper, rs.grad.dtype == torch.float32)
-                rs.exp_avg.save(m)
-                rs.exp_avg_sq.save(v)
+                _step_eagerly(rs, master, hyper, step=steps[0] + 1)
             rs.steps = [steps[0] + 1] * len(steps)
         else:
             self._step_stretches(rs, master, hyper)
@@ -213,12 +210,7 @@ class ShardAdamW(torch.optim.Optimizer):
         if self.fused is not None and all(self.fused.takes(rs.exp_avg, rs.exp_avg_sq, lo, hi) for lo, hi, _ in stretches):
             stretches = self._fused_stretches(rs, master, hyper, stretches)
         if stretches:
-            m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
-            reuse = rs.grad.dtype == torch.float32  # the consumed gradient holds the denominator (see _adam)
-            for lo, hi, step in stretches:
-                _adam(master[lo:hi], rs.grad[lo:hi], m[lo:hi], v[lo:hi], step, hyper, reuse)
-            rs.exp_avg.save(m)
-            rs.exp_avg_sq.save(v)
+            _step_eagerly(rs, master, hyper, stretches)
         for k, index in enumerate(rs.run.fragments):
             if self.fragments[index].param.grad is not None:
                 rs.steps[k] += 1
@@ -371,6 +363,19 @@ def _hyper(group: dict[str, Any], decoupled: bool, allowed: tuple[str, ...] = ()
     beta1, beta2 = group["betas"]
     decoupled = decoupled or bool(group.get("decoupled_weight_decay", False))
     return (float(lr), float(beta1), float(beta2), group["eps"], group["weight_decay"], group.get("maximize", False), decoupled)
+
+
+def _step_eagerly(rs: _RunState, master: torch.Tensor, hyper: tuple, stretches: Sequence[tuple[int, int, int]] = (), step: int = 0) -> None:
+    """The eager update of run ``rs``: the whole run to count ``step`` where ``stretches`` is empty, else each
+    stretch ``(start, stop, count)``; the moments loaded once and saved once either way."""
+    m, v = rs.exp_avg.load(), rs.exp_avg_sq.load()
+    reuse = rs.grad.dtype == torch.float32  # the consumed gradient holds the denominator (see _adam)
+    if not stretches:
+        _adam(master, rs.grad, m, v, step, hyper, reuse)
+    for lo, hi, count in stretches:
+        _adam(master[lo:hi], rs.grad[lo:hi], m[lo:hi], v[lo:hi], count, hyper, reuse)
+    rs.exp_avg.save(m)
+    rs.exp_avg_sq.save(v)
 
 
 def _adam(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: int, hyper: tuple,
