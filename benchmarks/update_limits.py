@@ -32,7 +32,7 @@ from typing import Callable
 import torch
 
 from fxzero._torch_compat import foreach_norm
-from fxzero.inductor_function import shared
+from fxzero.inductor_function import Compiling, shared
 from fxzero.optim.params.bf16_rounding import nearest_even_bits
 from fxzero.optim.update import fused_run
 from fxzero.optim.update.fused_run import FusedRunUpdate
@@ -111,7 +111,7 @@ def _rows(n: int) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
     torch.manual_seed(0)
     master, grad = torch.randn(n), torch.randn(n) * 1e-2
     scalars = torch.tensor((1e-3, 0.9, 0.999, 1e-8, 0.01, 1e-3, 1.0))
-    update = FusedRunUpdate()
+    update = FusedRunUpdate(Compiling(True, "the run update"))  # required: a row that fell back would time the eager ops
     pair = make_stores(("bf16", "bf16"), n, master.device, paired=True)
     fp8 = make_stores(("fp8", "fp8"), n, master.device, paired=True)
     fp8_flat = make_stores(("fp8", "fp8"), n, master.device, paired=True)
