@@ -44,10 +44,10 @@ HYPER = (1e-3, 0.9, 0.999, 1e-8, 0.01, False, True)
 
 def _adam(master: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, scalars: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """``fused_run._adam_run``'s arithmetic on fp32 values (AdamW, no maximize)."""
-    lr, beta1, beta2, eps, weight_decay, step_size, inverse_bias_correction2_sqrt = scalars.unbind()
-    m = m.lerp(g, 1 - beta1)
-    v = v * beta2 + (1 - beta2) * g * g
-    return master * (1 - lr * weight_decay) - step_size * m / (v.sqrt() * inverse_bias_correction2_sqrt + eps), m, v
+    one_minus_beta1, beta2, one_minus_beta2, eps, _, decay_factor, step_size, inverse_bias_correction2_sqrt = scalars.unbind()
+    m = m.lerp(g, one_minus_beta1)
+    v = v * beta2 + one_minus_beta2 * g * g
+    return master * decay_factor - step_size * m / (v.sqrt() * inverse_bias_correction2_sqrt + eps), m, v
 
 
 def _pair_without_casts(master: torch.Tensor, grad: torch.Tensor, words: torch.Tensor, scalars: torch.Tensor) -> None:
@@ -110,7 +110,7 @@ def _rows(n: int) -> tuple[dict[str, Callable[[], object]], dict[str, float]]:
     """Each measured call, and the bytes per element its bound counts (0: not a bound row)."""
     torch.manual_seed(0)
     master, grad = torch.randn(n), torch.randn(n) * 1e-2
-    scalars = torch.tensor((1e-3, 0.9, 0.999, 1e-8, 0.01, 1e-3, 1.0))
+    scalars = torch.tensor((1 - 0.9, 0.999, 1 - 0.999, 1e-8, 0.01, 1 - 1e-3 * 0.01, 1e-3, 1.0))  # as FusedRunUpdate makes them
     update = FusedRunUpdate(Compiling(True, "the run update"))  # required: a row that fell back would time the eager ops
     pair = make_stores(("bf16", "bf16"), n, master.device, paired=True)
     fp8 = make_stores(("fp8", "fp8"), n, master.device, paired=True)

@@ -28,7 +28,8 @@ written about once.
   promise (fp32 state with remainders: bitwise the half-away fp32-master run) keep the eager Adam
   arithmetic, with their bit operations compiled (:mod:`~fxzero.optim.params.rounding_kernels`);
   this serves runs with at least one narrow moment.
-* **No recompiles per step**: the hyperparameters and bias corrections come in one fp32 tensor, and
+* **No recompiles per step**: the hyperparameters and bias corrections come in one fp32 tensor (each taken in
+  Python's double first, ``1 - beta2`` included, as torch.optim takes them), and
   the shapes are dynamic, so a new step, a new lr or another run of the same kinds reuses the graph.
   One graph per kinds of moments and flags (the guards on the inputs' dtypes pick it).
 * **The compile cost is paid once per process** (and Inductor's FX graph cache makes a later
@@ -137,17 +138,17 @@ def _adam_run(master: torch.Tensor, grad: torch.Tensor, m_parts: Sequence[torch.
     """The update of :func:`~fxzero.optim.update.shard_adam._adam` on one run's fp32 ``master`` (written in
     place), its stores read and written here."""
     decoupled, maximize, decay = flags
-    lr, beta1, beta2, eps, weight_decay, step_size, inverse_bias_correction2_sqrt = scalars.unbind()
+    one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, decay_factor, step_size, inverse_bias_correction2_sqrt = scalars.unbind()
     n = grad.numel()
     g = -grad.float() if maximize else grad.float()
     new = master
     if decay and decoupled:
-        new = new * (1 - lr * weight_decay)
+        new = new * decay_factor
     elif decay:
         g = g + weight_decay * new
     m, v = _moments(kinds, m_parts, v_parts, n)
-    m = m.lerp(g, 1 - beta1)
-    v = v * beta2 + (1 - beta2) * g * g
+    m = m.lerp(g, one_minus_beta1)
+    v = v * beta2 + one_minus_beta2 * g * g
     new = new - step_size * m / (v.sqrt() * inverse_bias_correction2_sqrt + eps)  # one division per element, not two
     _keep_moments(kinds, m, v, m_parts, v_parts)
     master.copy_(new * _one_per_block(kinds, m_parts, v_parts) if grad.dim() == 2 else new)
@@ -199,7 +200,9 @@ class FusedRunUpdate:
         lr, beta1, beta2, eps, weight_decay, maximize, decoupled = hyper
         key = (hyper, step, master.device)  # everything the scalars are made of: the runs of a step share them
         if key != self._key or self._scalars is None:
-            values = (lr, beta1, beta2, eps, weight_decay, lr / (1 - beta1**step), 1 / (1 - beta2**step) ** 0.5)
+            # the differences with 1 in Python's double, as torch.optim takes them: in fp32 from an fp32 beta2 near 1,
+            # 1 - beta2 is off by up to 2^-25 (1.4e-3 of it at 0.99999), and so is every second moment
+            values = (1 - beta1, beta2, 1 - beta2, eps, weight_decay, 1 - lr * weight_decay, lr / (1 - beta1**step), 1 / (1 - beta2**step) ** 0.5)
             self._scalars = torch.tensor(values, dtype=torch.float32, device=master.device)
             self._key = key
         flags = (bool(decoupled), bool(maximize), weight_decay != 0)
