@@ -2,7 +2,8 @@
 and ``benchmarks/update_limits.py`` reaches into fxzero's internals (``FusedRunUpdate``, the stores),
 which change. It once built ``FusedRunUpdate()`` for a session after the constructor took a
 ``Compiling``, and nothing noticed. One round over a small run each: the tables print, every row
-is timed; the numbers are not looked at (a unit test is no place to time)."""
+is timed; the numbers are not looked at (a unit test is no place to time). Whole benchmark processes with
+cold compiles: the ``job`` tier (``.ci/run``'s second part)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _table_rows(out: str) -> list[str]:
     return [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| pass") and "---" not in line]
 
 
-@pytest.mark.slow
+@pytest.mark.job
 def test_update_limits_times_every_row() -> None:
     out = _run("benchmarks/update_limits.py", "--rounds", "1", "--numel", "4096")
     rows = _table_rows(out)
@@ -34,7 +35,7 @@ def test_update_limits_times_every_row() -> None:
     assert "fxzero fp8 run pass: 1.5x its bound is" in out
 
 
-@pytest.mark.slow
+@pytest.mark.job
 def test_update_times_its_rows_with_a_steady_malloc() -> None:
     out = _run("benchmarks/update.py", "--skip-drift", "--skip-world-2", "--rounds", "1", "--steady-malloc",
                "--only", "fxzero bf16 state,torch AdamW fused=True (fp32)")  # fmt: skip
@@ -42,7 +43,7 @@ def test_update_times_its_rows_with_a_steady_malloc() -> None:
     assert "| bf16 state vs its bound" in out, out
 
 
-@pytest.mark.slow
+@pytest.mark.job
 def test_per_param_step_times_every_split() -> None:
     out = _run("benchmarks/per_param_step.py", "--rounds", "1")
     assert "torch AdamW fused=True" in out and "fxzero bf16 state" in out, out
