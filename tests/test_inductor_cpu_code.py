@@ -45,12 +45,11 @@ def test_a_loop_writing_fp32_in_place_reads_bf16_in_masked_half_vectors():
 
 
 def _rows_kernel(fn, *args) -> str:
-    torch._dynamo.reset()
+    """The C++ kernel :func:`_generated` makes of ``fn`` over rows of a constant length."""
     for t in args:
         if t.dim() == 2:
             torch._dynamo.mark_static(t, 1)  # a block's length is a constant of the graph, as in fused_run._rows
-    _, code = run_and_get_code(torch.compile(fn, dynamic=True, fullgraph=True), *args)
-    text = "\n".join(code)
+    text = _generated(fn, *args)
     start = text.index('extern "C"')
     return text[start : text.index("'" * 3, start)]
 

@@ -163,7 +163,6 @@ class FusedRunUpdate:
 
     def __init__(self, compiling: Compiling) -> None:
         self._compiling = compiling
-        self._compiled = shared(_adam_run, _KINDS_LIMIT)
         self._scalars: Optional[torch.Tensor] = None
         self._key: Any = None
         """What :attr:`_scalars` was made from: the hyperparameters, the step count and the device."""
@@ -176,12 +175,12 @@ class FusedRunUpdate:
     @property
     def compiles(self) -> int:
         """Graphs of the run update compiled in this process so far (by every optimizer's)."""
-        return self._compiled.compiles
+        return shared(_adam_run, _KINDS_LIMIT).compiles
 
     @property
     def compile_seconds(self) -> float:
         """Seconds those compiles took."""
-        return self._compiled.compile_seconds
+        return shared(_adam_run, _KINDS_LIMIT).compile_seconds
 
     @staticmethod
     def takes(exp_avg: MomentStore, exp_avg_sq: MomentStore, start: int, stop: int) -> bool:
